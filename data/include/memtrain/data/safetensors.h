@@ -1,0 +1,18 @@
+// The safetensors format (8-byte little-endian header length, a JSON header naming each tensor's
+// dtype, shape and byte range, then the raw data): what the Python reference scripts write and what
+// memtrain saves weights in. save_safetensors writes a temporary file and renames it, and records a
+// CRC-32 of the data in the header's __metadata__, which load_safetensors checks when present.
+#pragma once
+
+#include <torch/types.h>
+
+#include <map>
+#include <string>
+
+namespace memtrain {
+
+std::map<std::string, torch::Tensor> load_safetensors(const std::string& path);
+void save_safetensors(const std::string& path, const std::map<std::string, torch::Tensor>& tensors,
+                      const std::map<std::string, std::string>& metadata = {});
+
+}  // namespace memtrain

@@ -1,0 +1,67 @@
+#include "memtrain/distributed/world.h"
+
+#include <cstdlib>
+#include <optional>
+
+#include "memtrain/error.h"
+
+extern char** environ;
+
+namespace memtrain {
+namespace {
+
+std::optional<int> read_int(const std::map<std::string, std::string>& env, const std::string& key) {
+  auto it = env.find(key);
+  if (it == env.end() || it->second.empty()) return std::nullopt;
+  try {
+    size_t used = 0;
+    int v = std::stoi(it->second, &used);
+    if (used == it->second.size()) return v;
+  } catch (...) {
+  }
+  throw Error(detail::concat("[dist] environment variable ", key, "='", it->second, "' is not an integer"));
+}
+
+}  // namespace
+
+World World::from_env() {
+  std::map<std::string, std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string kv(*e);
+    auto eq = kv.find('=');
+    if (eq != std::string::npos) env.emplace(kv.substr(0, eq), kv.substr(eq + 1));
+  }
+  return from_env(env);
+}
+
+World World::from_env(const std::map<std::string, std::string>& env) {
+  World w;
+  // torchrun's names first, then Slurm's, then Open MPI's.
+  const char* schemes[][5] = {
+      {"torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+      {"slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"},
+      {"mpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
+  };
+  for (const auto& s : schemes) {
+    auto rank = read_int(env, s[1]);
+    auto size = read_int(env, s[2]);
+    if (!rank && !size) continue;
+    MEMTRAIN_CHECK(rank && size, Error, "[dist] ", s[1], " and ", s[2], " must be set together");
+    w.launcher = s[0];
+    w.rank = *rank;
+    w.world_size = *size;
+    w.local_rank = read_int(env, s[3]).value_or(w.rank);
+    w.local_world_size = read_int(env, s[4]).value_or(w.world_size);
+    break;
+  }
+  MEMTRAIN_CHECK(w.world_size >= 1, Error, "[dist] world size must be >= 1, got ", w.world_size);
+  MEMTRAIN_CHECK(w.rank >= 0 && w.rank < w.world_size, Error, "[dist] rank ", w.rank, " is outside [0, ", w.world_size,
+                 ")");
+  MEMTRAIN_CHECK(w.local_rank >= 0 && w.local_rank < w.local_world_size, Error, "[dist] local rank ", w.local_rank,
+                 " is outside [0, ", w.local_world_size, ")");
+  if (auto it = env.find("MASTER_ADDR"); it != env.end() && !it->second.empty()) w.master_addr = it->second;
+  if (auto port = read_int(env, "MASTER_PORT")) w.master_port = *port;
+  return w;
+}
+
+}  // namespace memtrain

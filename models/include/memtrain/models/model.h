@@ -1,0 +1,57 @@
+// The model contract: a stem (embed), an ordered list of blocks, and a head. Blocks are the units
+// that activation checkpointing recomputes and that ZeRO-3 will gather; a block may be split into
+// named parts (a transformer block into "attn" and "mlp") for selective checkpointing.
+//
+//   auto model = memtrain::make_model(cfg.model, data_info);
+//   auto logits = model->forward(batch.input);          // == head(blocks(embed(input)))
+//   auto loss = model->loss(logits, batch.target);
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace memtrain {
+
+struct ModelConfig;
+
+// What the data tells the model: vocabulary for text, image shape and classes for images.
+struct DataInfo {
+  int64_t vocab_size = 0;   // text
+  int64_t channels = 1;     // images
+  int64_t image_size = 28;
+  int64_t num_classes = 10;
+};
+
+class Model : public torch::nn::Module {
+ public:
+  virtual torch::Tensor embed(const torch::Tensor& input) = 0;
+  virtual int64_t num_blocks() const = 0;
+  // Runs block i: the composition of its parts in order.
+  virtual torch::Tensor block(int64_t i, const torch::Tensor& h);
+  // Parts of every block ({"block"} when a block is not split). Each part is a function of the
+  // hidden state alone, residual included, so any part can be recomputed on its own.
+  virtual std::vector<std::string> part_names() const { return {"block"}; }
+  virtual torch::Tensor block_part(int64_t i, size_t part, const torch::Tensor& h) = 0;
+  // The parameters block i uses (the checkpoint function passes them to autograd explicitly).
+  virtual std::vector<torch::Tensor> block_parameters(int64_t i) const = 0;
+  virtual torch::Tensor head(const torch::Tensor& h) = 0;
+  // Mean cross-entropy of `output` (logits, last dim = classes) against integer `target`.
+  virtual torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) const;
+
+  // Training FLOPs (forward + backward) per sample, the usual 3x-forward matmul count.
+  virtual double train_flops_per_sample() const = 0;
+  // Tokens per sample (context length for language models, 1 otherwise), for tokens/s.
+  virtual int64_t tokens_per_sample() const { return 1; }
+  virtual std::string describe() const = 0;
+
+  torch::Tensor forward(const torch::Tensor& input);
+  int64_t num_parameters() const;  // distinct parameters (tied weights once)
+};
+
+std::shared_ptr<Model> make_model(const ModelConfig& config, const DataInfo& data);
+
+}  // namespace memtrain

@@ -1,0 +1,139 @@
+#include "memtrain/models/gpt.h"
+
+#include <torch/nn/functional/activation.h>
+#include <torch/nn/functional/linear.h>
+#include <torch/nn/init.h>
+
+#include <cmath>
+#include <sstream>
+
+#include "memtrain/error.h"
+
+namespace memtrain {
+
+GPTOptions GPTOptions::preset(const std::string& name) {
+  GPTOptions o;
+  auto gpt2 = [&](int64_t layers, int64_t heads, int64_t embd) {
+    o.vocab_size = 50257;
+    o.block_size = 1024;
+    o.n_layer = layers;
+    o.n_head = heads;
+    o.n_embd = embd;
+  };
+  if (name == "tiny") {
+    o.n_layer = 2, o.n_head = 2, o.n_embd = 64, o.block_size = 32;
+  } else if (name == "gpt2") {
+    gpt2(12, 12, 768);
+  } else if (name == "gpt2-medium") {
+    gpt2(24, 16, 1024);
+  } else if (name == "gpt2-large") {
+    gpt2(36, 20, 1280);
+  } else if (name == "gpt2-xl") {
+    gpt2(48, 25, 1600);
+  } else {
+    throw Error("[model] unknown GPT preset '" + name + "'; expected tiny | gpt2 | gpt2-medium | gpt2-large | gpt2-xl");
+  }
+  return o;
+}
+
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTOptions& o) : n_head(o.n_head), dropout(o.dropout) {
+  c_attn = register_module("c_attn", torch::nn::Linear(torch::nn::LinearOptions(o.n_embd, 3 * o.n_embd).bias(o.bias)));
+  c_proj = register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(o.n_embd, o.n_embd).bias(o.bias)));
+  resid_drop = register_module("resid_drop", torch::nn::Dropout(o.dropout));
+}
+
+torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
+  const auto B = x.size(0), T = x.size(1), C = x.size(2);
+  auto qkv = c_attn->forward(x).split(C, /*dim=*/2);  // 3 x (B, T, C)
+  auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_head, C / n_head}).transpose(1, 2); };
+  auto y = at::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), /*attn_mask=*/{},
+                                            is_training() ? dropout : 0.0, /*is_causal=*/true);  // (B, nh, T, hs)
+  y = y.transpose(1, 2).contiguous().view({B, T, C});
+  return resid_drop->forward(c_proj->forward(y));
+}
+
+MLPBlockImpl::MLPBlockImpl(const GPTOptions& o) {
+  c_fc = register_module("c_fc", torch::nn::Linear(torch::nn::LinearOptions(o.n_embd, 4 * o.n_embd).bias(o.bias)));
+  c_proj = register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(4 * o.n_embd, o.n_embd).bias(o.bias)));
+  drop = register_module("drop", torch::nn::Dropout(o.dropout));
+}
+
+torch::Tensor MLPBlockImpl::forward(const torch::Tensor& x) {
+  // GPT-2's GELU is the tanh approximation.
+  auto h = torch::gelu(c_fc->forward(x), "tanh");
+  return drop->forward(c_proj->forward(h));
+}
+
+TransformerBlockImpl::TransformerBlockImpl(const GPTOptions& o) {
+  ln_1 = register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.n_embd})));
+  attn = register_module("attn", CausalSelfAttention(o));
+  ln_2 = register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.n_embd})));
+  mlp = register_module("mlp", MLPBlock(o));
+}
+
+GPT::GPT(const GPTOptions& options) : options_(options) {
+  const auto& o = options_;
+  MEMTRAIN_CHECK(o.n_embd % o.n_head == 0, Error, "[model] n_embd ", o.n_embd, " is not a multiple of n_head ", o.n_head);
+  MEMTRAIN_CHECK(o.vocab_size > 0, Error, "[model] vocab_size must be > 0, got ", o.vocab_size);
+  wte = register_module("wte", torch::nn::Embedding(o.vocab_size, o.n_embd));
+  wpe = register_module("wpe", torch::nn::Embedding(o.block_size, o.n_embd));
+  drop = register_module("drop", torch::nn::Dropout(o.dropout));
+  h = register_module("h", torch::nn::ModuleList());
+  for (int64_t i = 0; i < o.n_layer; ++i) {
+    blocks.push_back(TransformerBlock(o));
+    h->push_back(blocks.back());
+  }
+  ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.n_embd})));
+
+  // GPT-2 initialisation: N(0, 0.02) for weights, zero biases, and the residual projections scaled
+  // by 1/sqrt(2 L) so that the residual stream's variance does not grow with depth.
+  torch::NoGradGuard no_grad;
+  for (auto& item : named_parameters()) {
+    const auto& name = item.key();
+    auto& p = item.value();
+    if (name.find("ln_") != std::string::npos) continue;  // LayerNorm keeps weight 1, bias 0
+    if (name.ends_with(".bias")) {
+      p.zero_();
+    } else if (name.ends_with("c_proj.weight")) {
+      p.normal_(0.0, 0.02 / std::sqrt(2.0 * o.n_layer));
+    } else {
+      p.normal_(0.0, 0.02);
+    }
+  }
+}
+
+torch::Tensor GPT::embed(const torch::Tensor& idx) {
+  const auto T = idx.size(1);
+  MEMTRAIN_CHECK(T <= options_.block_size, Error, "[model] sequence of ", T, " tokens is longer than block_size ",
+                 options_.block_size);
+  auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
+  return drop->forward(wte->forward(idx) + wpe->forward(pos));
+}
+
+torch::Tensor GPT::block_part(int64_t i, size_t part, const torch::Tensor& h) {
+  return part == 0 ? blocks[i]->attn_part(h) : blocks[i]->mlp_part(h);
+}
+
+std::vector<torch::Tensor> GPT::block_parameters(int64_t i) const { return blocks[i]->parameters(); }
+
+torch::Tensor GPT::head(const torch::Tensor& h) {
+  return torch::nn::functional::linear(ln_f->forward(h), wte->weight);  // tied output head
+}
+
+double GPT::train_flops_per_token() const {
+  const auto& o = options_;
+  const double n = static_cast<double>(num_parameters() - wpe->weight.numel());
+  return 6.0 * n + 12.0 * o.n_layer * o.n_embd * o.block_size;
+}
+
+double GPT::train_flops_per_sample() const { return train_flops_per_token() * options_.block_size; }
+
+std::string GPT::describe() const {
+  std::ostringstream os;
+  os << "GPT " << options_.n_layer << " layers x " << options_.n_embd << " wide, " << options_.n_head
+     << " heads, context " << options_.block_size << ", vocab " << options_.vocab_size << ", "
+     << num_parameters() << " parameters";
+  return os.str();
+}
+
+}  // namespace memtrain

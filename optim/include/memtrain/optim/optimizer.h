@@ -1,0 +1,50 @@
+// Optimizers (LibTorch's AdamW and SGD), the warm-up + cosine learning-rate schedule, and gradient
+// clipping that keeps the norm on the device (no host sync in the step).
+//
+//   auto opt = memtrain::make_optimizer(cfg.train, model->named_parameters());
+//   memtrain::CosineSchedule lr({.peak = 1e-3, .min = 1e-4, .warmup_steps = 20, .total_steps = 200});
+//   memtrain::set_learning_rate(*opt, lr.at(step));
+//   auto norm = memtrain::clip_grad_norm(params, 1.0);   // device tensor, read only when logging
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+#include <vector>
+
+namespace memtrain {
+
+struct TrainOptions;
+
+// Weight decay goes to matrices and filters (dim >= 2) only; biases, norms and other vectors get none.
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainOptions& train,
+                                                        const torch::OrderedDict<std::string, torch::Tensor>& params);
+
+void set_learning_rate(torch::optim::Optimizer& optimizer, double lr);
+
+// Every tensor the optimizer keeps as state (AdamW: exp_avg, exp_avg_sq; SGD: momentum buffer).
+std::vector<torch::Tensor> optimizer_state_tensors(const torch::optim::Optimizer& optimizer);
+
+struct CosineScheduleOptions {
+  double peak = 1e-3;
+  double min = 1e-4;
+  int64_t warmup_steps = 0;
+  int64_t total_steps = 1;
+};
+
+// Linear warm-up from peak/warmup to peak over warmup_steps, then cosine decay to min at total_steps.
+class CosineSchedule {
+ public:
+  explicit CosineSchedule(CosineScheduleOptions options);
+  double at(int64_t step) const;  // step counts from 0
+
+ private:
+  CosineScheduleOptions options_;
+};
+
+// Scales the gradients so that their global L2 norm is at most max_norm (when max_norm > 0) and
+// returns the norm before clipping, as a 0-dim fp32 tensor on the gradients' device.
+torch::Tensor clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm);
+
+}  // namespace memtrain

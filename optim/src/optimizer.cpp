@@ -1,0 +1,96 @@
+#include "memtrain/optim/optimizer.h"
+
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <cmath>
+#include <numbers>
+#include <set>
+
+#include "memtrain/config.h"
+#include "memtrain/error.h"
+
+namespace memtrain {
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainOptions& t,
+                                                        const torch::OrderedDict<std::string, torch::Tensor>& named) {
+  std::vector<torch::Tensor> decay, no_decay;
+  std::set<const void*> seen;  // tied parameters appear once
+  for (const auto& item : named) {
+    const auto& p = item.value();
+    if (!p.requires_grad() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  }
+  if (t.optimizer == "adamw") {
+    auto base = torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.eps);
+    auto with_decay = std::make_unique<torch::optim::AdamWOptions>(base);
+    with_decay->weight_decay(t.weight_decay);
+    auto without = std::make_unique<torch::optim::AdamWOptions>(base);
+    without->weight_decay(0.0);
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(decay, std::move(with_decay));
+    groups.emplace_back(no_decay, std::move(without));
+    return std::make_unique<torch::optim::AdamW>(std::move(groups), base);
+  }
+  if (t.optimizer == "sgd") {
+    auto base = torch::optim::SGDOptions(t.lr).momentum(t.momentum);
+    auto with_decay = std::make_unique<torch::optim::SGDOptions>(base);
+    with_decay->weight_decay(t.weight_decay);
+    auto without = std::make_unique<torch::optim::SGDOptions>(base);
+    without->weight_decay(0.0);
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(decay, std::move(with_decay));
+    groups.emplace_back(no_decay, std::move(without));
+    return std::make_unique<torch::optim::SGD>(std::move(groups), base);
+  }
+  throw ConfigError("[optim] unknown optimizer '" + t.optimizer + "'; expected adamw | sgd");
+}
+
+void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
+  for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
+}
+
+std::vector<torch::Tensor> optimizer_state_tensors(const torch::optim::Optimizer& optimizer) {
+  std::vector<torch::Tensor> out;
+  for (const auto& [key, state] : optimizer.state()) {
+    if (auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(state.get())) {
+      out.push_back(s->exp_avg());
+      out.push_back(s->exp_avg_sq());
+      if (s->max_exp_avg_sq().defined()) out.push_back(s->max_exp_avg_sq());
+    } else if (auto* m = dynamic_cast<const torch::optim::SGDParamState*>(state.get())) {
+      out.push_back(m->momentum_buffer());
+    }
+  }
+  return out;
+}
+
+CosineSchedule::CosineSchedule(CosineScheduleOptions options) : options_(options) {
+  MEMTRAIN_CHECK(options_.total_steps >= 1, Error, "[optim] total_steps must be >= 1, got ", options_.total_steps);
+  MEMTRAIN_CHECK(options_.min <= options_.peak, Error, "[optim] min lr ", options_.min, " exceeds peak lr ", options_.peak);
+}
+
+double CosineSchedule::at(int64_t step) const {
+  const auto& o = options_;
+  if (step < o.warmup_steps) return o.peak * static_cast<double>(step + 1) / static_cast<double>(o.warmup_steps);
+  if (step >= o.total_steps) return o.min;
+  const double span = std::max<int64_t>(1, o.total_steps - o.warmup_steps);
+  const double progress = static_cast<double>(step - o.warmup_steps) / span;
+  return o.min + 0.5 * (o.peak - o.min) * (1.0 + std::cos(std::numbers::pi * progress));
+}
+
+torch::Tensor clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm) {
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : params)
+    if (p.grad().defined()) grads.push_back(p.grad());
+  if (grads.empty()) return torch::zeros({}, torch::kFloat);
+  auto norms = torch::_foreach_norm(grads, 2);  // per-tensor L2 norms, on the device
+  auto total = torch::stack(norms).to(torch::kFloat).norm(2);
+  if (max_norm > 0) {
+    // min(1, max_norm / (norm + 1e-6)), applied without reading the norm on the host.
+    auto coef = torch::clamp_max(max_norm / (total + 1e-6), 1.0);
+    torch::_foreach_mul_(grads, coef.to(grads.front().dtype()));
+  }
+  return total;
+}
+
+}  // namespace memtrain

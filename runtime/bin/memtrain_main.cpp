@@ -1,0 +1,59 @@
+// memtrain: train a model from a config file.
+//
+//   memtrain --config examples/configs/gpt_austen_cpu.ini [--section.key=value ...]
+//   memtrain --help            every key, its default and what it does
+//   memtrain --config X --print-config   the resolved config, without training
+//
+// Launched once per device, torchrun-style (RANK, WORLD_SIZE, LOCAL_RANK, ... from the environment).
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "memtrain/config.h"
+#include "memtrain/error.h"
+#include "memtrain/memory.h"
+#include "memtrain/trainer.h"
+
+int main(int argc, char** argv) {
+  // Before any tensor exists: every CPU allocation from here on is counted.
+  memtrain::cpu_memory::install();
+  std::string config_path;
+  std::vector<std::string> overrides;
+  bool print_only = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::cout << "usage: memtrain --config FILE.ini [--section.key=value ...] [--print-config]\n\nkeys:\n"
+                << memtrain::Config::help();
+      return 0;
+    }
+    if (a == "--print-config") {
+      print_only = true;
+    } else if (a == "--config" && i + 1 < argc) {
+      config_path = argv[++i];
+    } else if (a.rfind("--config=", 0) == 0) {
+      config_path = a.substr(9);
+    } else {
+      overrides.push_back(a);
+    }
+  }
+  try {
+    auto config = memtrain::Config::load(config_path, overrides);
+    if (print_only) {
+      std::cout << config.to_ini();
+      return 0;
+    }
+    memtrain::Trainer trainer(config);
+    trainer.fit();
+    return 0;
+  } catch (const memtrain::Error& e) {
+    std::cerr << "memtrain: " << e.what() << "\n";
+    return 2;
+  } catch (const c10::Error& e) {
+    std::cerr << "memtrain: LibTorch error: " << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "memtrain: " << e.what() << "\n";
+    return 1;
+  }
+}

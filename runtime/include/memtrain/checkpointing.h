@@ -1,0 +1,74 @@
+// Activation (gradient) checkpointing: run a block without keeping its activations, keep only its
+// input, and recompute it in backward. The policy says which blocks (or block parts) are recomputed.
+//
+//   memtrain::CheckpointPolicy policy = memtrain::CheckpointPolicy::parse("every:2");
+//   auto logits = memtrain::forward_with_checkpointing(*model, tokens, policy);
+//
+// The recompute restores the forward's RNG state (CPU, and CUDA when the input is on a GPU) and its
+// autocast state, so dropout masks and dtypes match. Parameters are passed to autograd explicitly and
+// their gradients come from torch::autograd::grad, so each parameter's gradient is accumulated
+// exactly once by the outer backward (hooks fire normally; no reentrant-backward pitfalls).
+#pragma once
+
+#include <torch/types.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace memtrain {
+
+class Model;
+
+struct CheckpointOptions {
+  bool offload = false;  // keep the saved input in CPU memory (pinned on CUDA), bring it back for recompute
+};
+
+// Runs fn(input) under checkpointing. `params` must hold every parameter fn uses that should receive
+// a gradient; an fn that uses a parameter requiring grad which is missing from `params` would leave it
+// without gradient, and is reported as an error at recompute time.
+torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)>& fn, const torch::Tensor& input,
+                         const std::vector<torch::Tensor>& params, const CheckpointOptions& options = {});
+
+// Counts block recomputations in this process (tests check that checkpointing really recomputed).
+int64_t checkpoint_recompute_count();
+
+struct CheckpointPolicy {
+  enum class Mode { kNone, kAll, kEvery, kPart, kBudget };
+  Mode mode = Mode::kNone;
+  int64_t every = 1;          // kEvery: blocks 0, k, 2k, ...
+  std::string part;           // kPart: the block part to recompute ("attn" | "mlp")
+  double budget_mib = 0;      // kBudget: activation budget
+  std::vector<bool> blocks;   // kBudget, once resolved: which blocks to checkpoint
+  bool offload = false;
+
+  // none | all | every:K | attn | mlp | budget:MiB
+  static CheckpointPolicy parse(const std::string& text);
+  std::string describe() const;
+  // Whether part `part_name` of block i is checkpointed (whole-block modes answer for part "").
+  bool checkpoints_block(int64_t i) const;
+  bool checkpoints_part(const std::string& part_name) const { return mode == Mode::kPart && part == part_name; }
+  bool budget_unresolved() const { return mode == Mode::kBudget && blocks.empty(); }
+};
+
+// head(blocks(embed(input))) with the policy applied. Under no-grad it runs plainly.
+torch::Tensor forward_with_checkpointing(Model& model, const torch::Tensor& input, const CheckpointPolicy& policy);
+
+// Activation bytes of each block, measured while recomputing blocks in backward (every block
+// checkpointed), and the bytes of each block's saved input.
+struct BlockActivationProfile {
+  std::vector<int64_t> activation_bytes;  // per block: what a non-checkpointed block keeps for backward
+  std::vector<int64_t> input_bytes;       // per block: what a checkpointed block keeps
+  int64_t all_checkpointed_peak = 0;      // measured activation peak of the step, every block checkpointed
+};
+// Runs one forward + backward of `loss_fn` with every block checkpointed and measures each block's
+// recompute allocation on `device`. Gradients it produces are left in place (callers zero them).
+BlockActivationProfile profile_block_activations(Model& model, const std::function<torch::Tensor()>& loss_fn,
+                                                 const c10::Device& device);
+// The fewest checkpointed blocks whose estimated activation peak fits `budget_bytes`. The estimate
+// starts from the measured all-checkpointed peak and adds (activation - input) bytes for each block
+// left un-checkpointed; blocks that add least are left un-checkpointed first. Throws, naming the smallest feasible budget, when even
+// checkpointing every block does not fit.
+std::vector<bool> plan_checkpoint_budget(const BlockActivationProfile& profile, int64_t budget_bytes);
+
+}  // namespace memtrain

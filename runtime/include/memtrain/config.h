@@ -1,0 +1,106 @@
+// The run's configuration: one struct per component, defaults where each field is declared.
+// Loaded from an INI file (one section per component) with `--section.key=value` overrides on top.
+//
+//   auto cfg = memtrain::Config::load("examples/configs/gpt_austen_cpu.ini", {"--train.steps=50"});
+//   std::cout << cfg.to_ini();
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace memtrain {
+
+struct ModelConfig {
+  std::string name = "gpt";     // gpt | resnet | mlp
+  // gpt
+  std::string preset = "custom";  // custom | tiny | gpt2 | gpt2-medium | gpt2-large | gpt2-xl
+  int64_t n_layer = 4;
+  int64_t n_head = 4;
+  int64_t n_embd = 128;
+  int64_t block_size = 128;     // context length, tokens
+  int64_t vocab_size = 0;       // 0: taken from the data (256 for byte-level text)
+  double dropout = 0.0;
+  bool bias = true;
+  // resnet
+  int64_t depth = 18;           // 18 | 50
+  int64_t width = 64;           // channels of the first stage (64 in the published nets)
+  std::string stem = "small";   // small (3x3 conv, no pool: 28x28 inputs) | imagenet (7x7/2 + maxpool)
+  // mlp
+  std::string hidden = "256,128";  // comma-separated hidden widths
+};
+
+struct DataConfig {
+  std::string dataset = "text";  // text | fashion_mnist | synthetic
+  std::string path = "";         // file (text) or folder (fashion_mnist); "" = prepared cache
+  double val_fraction = 0.1;     // held out from the training data for evaluation
+};
+
+struct TrainOptions {
+  std::string device = "cpu";      // cpu | cuda | auto
+  std::string optimizer = "adamw"; // adamw | sgd
+  double lr = 1e-3;
+  double min_lr = 1e-4;            // floor of the cosine schedule
+  int64_t warmup_steps = 20;
+  int64_t steps = 200;             // optimizer steps
+  double weight_decay = 0.1;       // applied to matrices/filters only, not biases or norms
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double momentum = 0.9;           // sgd
+  double grad_clip = 1.0;          // max global grad norm; 0 = off
+  int64_t micro_batch = 16;        // samples per forward/backward, per rank
+  int64_t accum_steps = 1;         // micro-batches per optimizer step
+  std::string precision = "fp32";  // fp32 | bf16 | fp16 (fp16: CUDA only)
+  int64_t seed = 1337;
+  int64_t eval_every = 50;         // 0 = only at the end
+  int64_t eval_batches = 10;
+  int64_t threads = 0;             // intra-op threads; 0 = LibTorch's default
+};
+
+struct MemoryConfig {
+  bool track = true;                // per-step peak memory, JSONL + summary
+  std::string checkpoint = "none";  // none | all | every:K | attn | mlp | budget:MiB
+  bool offload = false;             // keep checkpointed block inputs in (pinned) CPU memory
+};
+
+struct DistConfig {
+  std::string backend = "auto";  // auto | gloo | nccl
+  int64_t timeout_s = 300;
+};
+
+struct LogConfig {
+  int64_t every = 10;            // a log line every N steps
+  std::string dir = "runs";      // run folders go under here
+  std::string name = "";         // "" = the config file's stem
+  std::string progress = "auto"; // auto (bar on a terminal) | bar | lines
+};
+
+struct CheckpointConfig {
+  std::string dir = "";  // "" = <run dir>/checkpoints
+  int64_t every = 0;     // save model weights every N steps; 0 = only at the end
+  bool save_final = true;
+};
+
+struct Config {
+  ModelConfig model;
+  DataConfig data;
+  TrainOptions train;
+  MemoryConfig memory;
+  DistConfig dist;
+  LogConfig log;
+  CheckpointConfig checkpoint;
+  std::string source;  // the file it came from ("" if none)
+
+  // Reads `path` (may be empty: defaults only), then applies `overrides` ("--section.key=value").
+  // Throws ConfigError naming the file, line, key, value and what is allowed.
+  static Config load(const std::string& path, const std::vector<std::string>& overrides = {});
+  // Checks values that the types alone cannot (enumerations, ranges). Called by load().
+  void validate() const;
+  // The resolved configuration, as an INI file that load() reads back to the same values.
+  std::string to_ini() const;
+  // Every known key ("section.key") with its help text, for --help.
+  static std::string help();
+};
+
+}  // namespace memtrain

@@ -1,0 +1,114 @@
+// MemoryTracker: peak memory of every step on every device this rank uses, with the resident
+// breakdown (parameters, gradients, optimizer state), the activation peak and the phase of the peak.
+//
+//   MemoryTracker tracker({.rank = 0, .devices = {torch::kCPU}, .jsonl_path = "runs/x/memory.rank0.jsonl"});
+//   tracker.begin_step(step);
+//   ... forward ...;  tracker.end_phase(Phase::kForward);
+//   ... backward ...; tracker.end_phase(Phase::kBackward);
+//   ... optimizer ...; tracker.end_phase(Phase::kOptimizer);
+//   tracker.end_step();                      // one JSON line per device
+//   std::cout << tracker.summary_table();
+//
+// CPU numbers come from memtrain's counting allocator (cpu_memory::install()); "reserved" equals
+// "allocated" there, as the CPU allocator caches nothing. CUDA numbers come from the caching
+// allocator's statistics, whose peaks are reset at each step start.
+#pragma once
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace memtrain {
+
+enum class Phase { kStart, kForward, kBackward, kOptimizer };
+const char* phase_name(Phase p);
+
+struct ResidentBytes {
+  int64_t params = 0;
+  int64_t grads = 0;
+  int64_t optimizer_state = 0;
+};
+
+// Bytes of parameters, their gradients and the optimizer's state tensors that live on `device`.
+// Tensors that share a storage (tied embeddings) are counted once.
+ResidentBytes resident_bytes(const std::vector<torch::Tensor>& params,
+                             const std::vector<torch::Tensor>& optimizer_state, const c10::Device& device);
+
+// Current and peak bytes of one device right now (CPU: counting allocator; CUDA: caching allocator).
+struct DeviceCounters {
+  int64_t allocated = 0;
+  int64_t peak_allocated = 0;
+  int64_t reserved = 0;
+  int64_t peak_reserved = 0;
+};
+DeviceCounters read_counters(const c10::Device& device);
+void reset_peak(const c10::Device& device);
+
+struct DeviceMemorySample {
+  int64_t step = 0;
+  int rank = 0;
+  std::string device;
+  int64_t start_allocated = 0;  // resident when the step began
+  int64_t peak_allocated = 0;
+  int64_t peak_reserved = 0;
+  int64_t end_allocated = 0;
+  int64_t activation_peak = 0;  // peak_allocated - start_allocated: what the step itself added
+  Phase peak_phase = Phase::kStart;
+  ResidentBytes resident;       // at step end
+};
+
+struct MemoryTrackerOptions {
+  int rank = 0;
+  std::vector<c10::Device> devices = {c10::Device(c10::kCPU)};
+  std::string jsonl_path = "";  // "" = keep samples in memory only
+};
+
+class MemoryTracker {
+ public:
+  explicit MemoryTracker(MemoryTrackerOptions options);
+
+  // Where the resident breakdown comes from (the trainer's parameters and optimizer).
+  void set_resident_source(std::function<ResidentBytes(const c10::Device&)> source);
+  // Starts (or restarts) writing one JSON line per step and device to `path`.
+  void write_jsonl(const std::string& path);
+
+  void begin_step(int64_t step);
+  void end_phase(Phase phase);
+  // Closes the step: one sample per device, appended to the JSONL file and to the summary.
+  const std::vector<DeviceMemorySample>& end_step();
+
+  const std::vector<DeviceMemorySample>& last() const { return last_; }
+  std::string summary_table() const;
+
+ private:
+  struct PhaseMark {
+    Phase phase;
+    int64_t peak;
+  };
+  struct Totals {
+    int64_t steps = 0;
+    int64_t max_peak = 0;
+    int64_t max_activation = 0;
+    int64_t max_reserved = 0;
+    Phase max_phase = Phase::kStart;
+    ResidentBytes resident;
+  };
+
+  MemoryTrackerOptions options_;
+  std::function<ResidentBytes(const c10::Device&)> resident_source_;
+  std::ofstream jsonl_;
+  int64_t step_ = 0;
+  std::vector<int64_t> start_allocated_;         // per device
+  std::vector<std::vector<PhaseMark>> marks_;    // per device, this step
+  std::vector<DeviceMemorySample> last_;
+  std::map<std::string, Totals> totals_;
+};
+
+std::string format_bytes(int64_t bytes);
+
+}  // namespace memtrain

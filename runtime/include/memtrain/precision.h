@@ -1,0 +1,102 @@
+// Mixed precision: an RAII autocast guard and an fp16 gradient scaler.
+//
+//   {
+//     memtrain::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);   // forward in bf16
+//     loss = model->loss(model->forward(x), y);
+//   }                                                // outermost guard exits: weight-cast cache cleared
+//   scaler.scale(loss).backward();                  // backward outside autocast
+//   scaler.unscale(params); clip...; scaler.step(optimizer); scaler.update();
+#pragma once
+
+#include <torch/optim/optimizer.h>
+#include <torch/types.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace memtrain {
+
+enum class Precision { kFp32, kBf16, kFp16 };
+Precision parse_precision(const std::string& name);  // fp32 | bf16 | fp16
+const char* precision_name(Precision p);
+// The autocast dtype of a precision (nullopt for fp32).
+std::optional<c10::ScalarType> autocast_dtype(Precision p);
+// Refuses combinations the hardware or LibTorch cannot run: fp16 on CPU (no loss-scaled fp16 CPU
+// autocast in memtrain), bf16 on a CUDA device without native bf16 (compute capability < 8.0).
+void check_precision_supported(Precision p, const c10::Device& device);
+
+// Enables autocast for one device type in this thread, with `dtype`; nullopt disables it (a region
+// that must stay fp32 inside an autocast one). Restores the previous state on exit, and clears the
+// weight-cast cache when the outermost guard exits, so no stale low-precision copy of a weight
+// outlives the forward pass that made it. Not copyable; nests.
+class AutocastGuard {
+ public:
+  AutocastGuard(c10::DeviceType device, std::optional<c10::ScalarType> dtype, bool cache_enabled = true);
+  ~AutocastGuard();
+  AutocastGuard(const AutocastGuard&) = delete;
+  AutocastGuard& operator=(const AutocastGuard&) = delete;
+
+ private:
+  c10::DeviceType device_;
+  bool prev_enabled_;
+  c10::ScalarType prev_dtype_;
+  bool prev_cache_;
+};
+
+// The autocast state of this thread for CPU and CUDA, to be re-entered later (checkpoint recompute).
+struct AutocastState {
+  bool cpu_enabled = false;
+  c10::ScalarType cpu_dtype = c10::kBFloat16;
+  bool cuda_enabled = false;
+  c10::ScalarType cuda_dtype = c10::kHalf;
+  static AutocastState current();
+};
+
+// Re-enters a recorded AutocastState for its lifetime.
+class AutocastStateGuard {
+ public:
+  explicit AutocastStateGuard(const AutocastState& state);
+  AutocastStateGuard(const AutocastStateGuard&) = delete;
+  AutocastStateGuard& operator=(const AutocastStateGuard&) = delete;
+
+ private:
+  AutocastGuard cpu_, cuda_;
+};
+
+struct GradScalerOptions {
+  double init_scale = 65536.0;  // 2^16, torch.amp.GradScaler's default
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  int64_t growth_interval = 2000;
+  bool enabled = true;
+};
+
+// Dynamic loss scaling for fp16, on ATen's _amp_foreach_non_finite_check_and_unscale_ and
+// _amp_update_scale_: the same arithmetic as torch.amp.GradScaler. Scale and growth tracker live on
+// the gradients' device; the only host read is the found-inf flag in step().
+class GradScaler {
+ public:
+  explicit GradScaler(GradScalerOptions options = {}, c10::Device device = c10::kCPU);
+
+  torch::Tensor scale(const torch::Tensor& loss);  // loss * scale
+  // Divides the gradients by the scale (once per optimizer step) and records whether any is inf/NaN.
+  void unscale(const std::vector<torch::Tensor>& params);
+  // Runs optimizer.step() unless a non-finite gradient was found; returns whether it stepped.
+  bool step(torch::optim::Optimizer& optimizer, const std::vector<torch::Tensor>& params);
+  // Backs the scale off after a non-finite step, grows it after growth_interval finite ones.
+  void update();
+
+  double current_scale() const;  // host read, for logging
+  bool enabled() const { return options_.enabled; }
+  const GradScalerOptions& options() const { return options_; }
+
+ private:
+  GradScalerOptions options_;
+  torch::Tensor scale_;           // () fp32
+  torch::Tensor growth_tracker_;  // () int32: finite steps since the last change
+  torch::Tensor found_inf_;       // () fp32: 1 if this step's gradients had inf/NaN
+  bool unscaled_ = false;
+};
+
+}  // namespace memtrain

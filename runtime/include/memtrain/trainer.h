@@ -1,0 +1,97 @@
+// Trainer: builds a run from a Config (or takes an embedder's own model and data) and trains it with
+// the configured memory techniques, measuring memory every step.
+//
+//   memtrain::cpu_memory::install();                     // first thing in main()
+//   auto cfg = memtrain::Config::load("examples/configs/gpt_austen_cpu.ini");
+//   memtrain::Trainer trainer(cfg);
+//   trainer.fit();                                       // logs, evaluates, saves
+//
+//   // or one step at a time:
+//   memtrain::StepResult r = trainer.step();
+//   double loss = r.loss.item<double>();                 // reading it syncs: do it when logging
+#pragma once
+
+#include <torch/optim/optimizer.h>
+
+#include <chrono>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "memtrain/checkpointing.h"
+#include "memtrain/config.h"
+#include "memtrain/data/datasets.h"
+#include "memtrain/distributed/world.h"
+#include "memtrain/memory_tracker.h"
+#include "memtrain/models/model.h"
+#include "memtrain/optim/optimizer.h"
+#include "memtrain/precision.h"
+
+namespace memtrain {
+
+struct StepResult {
+  int64_t step = 0;
+  torch::Tensor loss;       // () fp32 on the device: mean over the step's micro-batches
+  torch::Tensor grad_norm;  // () fp32 on the device: before clipping
+  double lr = 0;
+  bool applied = true;      // false when the fp16 scaler skipped the step (inf/NaN gradients)
+};
+
+struct EvalResult {
+  double loss = 0;
+  double accuracy = -1;  // classifiers only
+  int64_t samples = 0;
+};
+
+class Trainer {
+ public:
+  // Everything from the config: model, data, optimizer, precision, checkpointing, tracker.
+  explicit Trainer(const Config& config, const World& world = World::from_env());
+  // An embedder's own model and data; the config supplies the rest.
+  Trainer(const Config& config, std::shared_ptr<Model> model, std::shared_ptr<Dataset> data,
+          const World& world = World::from_env());
+
+  StepResult step();          // one optimizer step: micro-batches, reduce, clip, update, memory
+  EvalResult evaluate(const std::vector<Batch>& batches);
+  void fit();                 // config.train.steps steps with logging, evaluation and saving
+  void save_weights(const std::string& path) const;
+
+  Model& model() { return *model_; }
+  Dataset& data() { return *data_; }
+  torch::optim::Optimizer& optimizer() { return *optimizer_; }
+  MemoryTracker& tracker() { return *tracker_; }
+  const CheckpointPolicy& checkpoint_policy() const { return policy_; }
+  const GradScaler* scaler() const { return scaler_.get(); }
+  const Config& config() const { return config_; }
+  const c10::Device& device() const { return device_; }
+  int64_t current_step() const { return step_; }
+  const std::string& run_dir() const { return run_dir_; }
+  // Distinct trainable parameters (tied weights once).
+  const std::vector<torch::Tensor>& parameters() const { return params_; }
+
+ private:
+  void setup();
+  torch::Tensor forward_loss(const Batch& batch);
+  void resolve_budget_policy();
+
+  Config config_;
+  World world_;
+  c10::Device device_ = c10::kCPU;
+  std::shared_ptr<Model> model_;
+  std::shared_ptr<Dataset> data_;
+  std::vector<torch::Tensor> params_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::unique_ptr<CosineSchedule> schedule_;
+  Precision precision_ = Precision::kFp32;
+  std::unique_ptr<GradScaler> scaler_;
+  CheckpointPolicy policy_;
+  std::unique_ptr<MemoryTracker> tracker_;
+  std::string run_dir_;
+  int64_t step_ = 0;
+};
+
+// The device a config asks for: cpu, cuda (this rank's local GPU), or auto (cuda when available).
+c10::Device resolve_device(const std::string& name, int local_rank);
+
+}  // namespace memtrain

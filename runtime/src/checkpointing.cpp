@@ -1,0 +1,313 @@
+#include "memtrain/checkpointing.h"
+
+#include <ATen/core/Generator.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+
+#include <algorithm>
+#include <cmath>
+#include <atomic>
+#include <mutex>
+#include <numeric>
+#include <sstream>
+#include <unordered_set>
+
+#include "memtrain/error.h"
+#include "memtrain/memory_tracker.h"
+#include "memtrain/models/model.h"
+#include "memtrain/precision.h"
+
+namespace memtrain {
+namespace {
+
+std::atomic<int64_t> g_recomputes{0};
+
+// Set while profile_block_activations runs: recompute allocations are recorded per block.
+struct ProfileSink {
+  c10::Device device = c10::kCPU;
+  std::vector<int64_t>* activation_bytes = nullptr;
+  std::vector<int64_t>* input_bytes = nullptr;
+};
+ProfileSink* g_profile = nullptr;
+thread_local int64_t t_block_id = -1;  // the block being run by forward_with_checkpointing
+
+// The default generator of a device, its state saved and later restored around the recompute.
+at::Generator default_generator(const c10::Device& d) { return at::globalContext().defaultGenerator(d); }
+
+at::Tensor get_rng_state(const c10::Device& d) {
+  auto g = default_generator(d);
+  std::lock_guard<std::mutex> lock(g.mutex());
+  return g.get_state();
+}
+
+void set_rng_state(const c10::Device& d, const at::Tensor& state) {
+  auto g = default_generator(d);
+  std::lock_guard<std::mutex> lock(g.mutex());
+  g.set_state(state);
+}
+
+// What the recompute needs, kept in the autograd context as a capsule. The parameters are held here
+// rather than with save_for_backward: their version counters would then forbid the in-place optimizer
+// update if a graph outlived its step, and they are leaves that autograd::grad differentiates directly.
+struct RecomputeState : torch::CustomClassHolder {
+  std::function<torch::Tensor(const torch::Tensor&)> fn;
+  std::vector<at::Tensor> params;
+  CheckpointOptions options;
+  AutocastState autocast;
+  at::Tensor cpu_rng;   // CPU generator state at forward
+  at::Tensor cuda_rng;  // the input device's CUDA generator state at forward (undefined on CPU)
+  c10::Device device = c10::kCPU;
+  at::Tensor offloaded;  // the input, in CPU memory, when options.offload
+  bool input_requires_grad = false;
+  int64_t block_id = -1;
+  int64_t input_bytes = 0;
+};
+
+// Every leaf that `output`'s graph would accumulate a gradient into.
+std::vector<at::Tensor> graph_leaves(const at::Tensor& output) {
+  std::vector<at::Tensor> leaves;
+  std::vector<torch::autograd::Node*> stack;
+  std::unordered_set<torch::autograd::Node*> seen;
+  if (output.grad_fn()) stack.push_back(output.grad_fn().get());
+  while (!stack.empty()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    if (!seen.insert(node).second) continue;
+    if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) leaves.push_back(acc->variable);
+    for (const auto& edge : node->next_edges())
+      if (edge.function) stack.push_back(edge.function.get());
+  }
+  return leaves;
+}
+
+struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
+                                                at::TensorList params, c10::intrusive_ptr<RecomputeState> state) {
+    // Runs under no-grad (Function::apply): nothing inside the block is saved.
+    state->autocast = AutocastState::current();
+    state->device = input.device();
+    state->cpu_rng = get_rng_state(c10::kCPU);
+    if (input.is_cuda()) state->cuda_rng = get_rng_state(input.device());
+    state->input_bytes = static_cast<int64_t>(input.numel() * input.element_size());
+    state->input_requires_grad = input.requires_grad();
+    state->params = params.vec();
+    auto output = state->fn(input);
+    if (state->options.offload) {
+      state->offloaded = input.to(torch::TensorOptions().device(c10::kCPU).pinned_memory(input.is_cuda()),
+                                  /*non_blocking=*/input.is_cuda(), /*copy=*/true);
+      ctx->save_for_backward({});
+    } else {
+      ctx->save_for_backward({input});
+    }
+    ctx->saved_data["state"] = c10::IValue::make_capsule(state);
+    return {output};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    auto state = c10::static_intrusive_pointer_cast<RecomputeState>(ctx->saved_data["state"].toCapsule());
+    auto saved = ctx->get_saved_variables();
+    at::Tensor input = state->options.offload ? state->offloaded.to(state->device, /*non_blocking=*/true) : saved[0];
+    auto x = input.detach().requires_grad_(state->input_requires_grad);
+
+    int64_t before = 0;
+    if (g_profile != nullptr) before = read_counters(g_profile->device).allocated;
+
+    at::Tensor output;
+    {
+      // Fork the RNG: replay the forward's state, then give the caller back its own.
+      auto cpu_now = get_rng_state(c10::kCPU);
+      at::Tensor cuda_now;
+      if (state->cuda_rng.defined()) cuda_now = get_rng_state(state->device);
+      set_rng_state(c10::kCPU, state->cpu_rng);
+      if (state->cuda_rng.defined()) set_rng_state(state->device, state->cuda_rng);
+      {
+        torch::AutoGradMode enable_grad(true);
+        AutocastStateGuard autocast(state->autocast);
+        output = state->fn(x);
+      }
+      set_rng_state(c10::kCPU, cpu_now);
+      if (state->cuda_rng.defined()) set_rng_state(state->device, cuda_now);
+    }
+    g_recomputes.fetch_add(1, std::memory_order_relaxed);
+    if (g_profile != nullptr && state->block_id >= 0 &&
+        state->block_id < static_cast<int64_t>(g_profile->activation_bytes->size())) {
+      (*g_profile->activation_bytes)[state->block_id] = read_counters(g_profile->device).allocated - before;
+      (*g_profile->input_bytes)[state->block_id] = state->input_bytes;
+    }
+
+    // Gradients for the input and every parameter that requires one; the outer engine accumulates them.
+    const auto n = static_cast<int64_t>(state->params.size());
+    std::vector<at::Tensor> wrt;
+    std::vector<int64_t> slot;  // position in the returned list
+    if (state->input_requires_grad) wrt.push_back(x), slot.push_back(0);
+    for (int64_t i = 0; i < n; ++i)
+      if (state->params[i].requires_grad()) wrt.push_back(state->params[i]), slot.push_back(1 + i);
+    // A leaf the block uses but was not handed would silently get no gradient: refuse instead.
+    for (const auto& leaf : graph_leaves(output)) {
+      const bool known = leaf.is_same(x) || std::any_of(state->params.begin(), state->params.end(),
+                                                        [&](const at::Tensor& p) { return p.is_same(leaf); });
+      MEMTRAIN_CHECK(known, Error, "[checkpoint] block ", state->block_id, " uses a tensor of shape ", leaf.sizes(),
+                     " that requires grad but was not passed to checkpoint() as a parameter: it would get no "
+                     "gradient. Pass all of the block's parameters (Model::block_parameters).");
+    }
+    torch::autograd::variable_list grads(1 + n + 1);  // input, params..., state (a non-tensor slot)
+    if (!wrt.empty() && output.requires_grad()) {
+      auto g = torch::autograd::grad({output}, wrt, {grad_outputs[0]}, /*retain_graph=*/false,
+                                     /*create_graph=*/false, /*allow_unused=*/true);
+      for (size_t k = 0; k < g.size(); ++k) grads[slot[k]] = g[k];
+    }
+    return grads;
+  }
+};
+
+}  // namespace
+
+torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)>& fn, const torch::Tensor& input,
+                         const std::vector<torch::Tensor>& params, const CheckpointOptions& options) {
+  const bool any_grad = input.requires_grad() ||
+                        std::any_of(params.begin(), params.end(), [](const auto& p) { return p.requires_grad(); });
+  if (!torch::GradMode::is_enabled() || !any_grad) return fn(input);  // nothing to save or recompute
+  auto state = c10::make_intrusive<RecomputeState>();
+  state->fn = fn;
+  state->options = options;
+  state->block_id = t_block_id;
+  return CheckpointFunction::apply(input, at::TensorList(params), state)[0];
+}
+
+int64_t checkpoint_recompute_count() { return g_recomputes.load(); }
+
+CheckpointPolicy CheckpointPolicy::parse(const std::string& text) {
+  CheckpointPolicy p;
+  auto number_after = [&](const std::string& prefix) {
+    try {
+      size_t used = 0;
+      double v = std::stod(text.substr(prefix.size()), &used);
+      if (used == text.size() - prefix.size() && v > 0) return v;
+    } catch (...) {
+    }
+    throw ConfigError(detail::concat("[checkpoint] memory.checkpoint = '", text, "': expected a positive number after '",
+                                     prefix, "'"));
+  };
+  if (text == "none") {
+    p.mode = Mode::kNone;
+  } else if (text == "all") {
+    p.mode = Mode::kAll;
+  } else if (text == "attn" || text == "mlp") {
+    p.mode = Mode::kPart;
+    p.part = text;
+  } else if (text.rfind("every:", 0) == 0) {
+    p.mode = Mode::kEvery;
+    double k = number_after("every:");
+    MEMTRAIN_CHECK(k == static_cast<int64_t>(k), ConfigError, "[checkpoint] memory.checkpoint = '", text,
+                   "': K must be a whole number");
+    p.every = static_cast<int64_t>(k);
+  } else if (text.rfind("budget:", 0) == 0) {
+    p.mode = Mode::kBudget;
+    p.budget_mib = number_after("budget:");
+  } else {
+    throw ConfigError("[checkpoint] memory.checkpoint = '" + text +
+                      "' is not allowed; expected none | all | every:K | attn | mlp | budget:MiB");
+  }
+  return p;
+}
+
+std::string CheckpointPolicy::describe() const {
+  std::ostringstream os;
+  switch (mode) {
+    case Mode::kNone: os << "none"; break;
+    case Mode::kAll: os << "all blocks"; break;
+    case Mode::kEvery: os << "every " << every << " blocks"; break;
+    case Mode::kPart: os << "the " << part << " part of every block"; break;
+    case Mode::kBudget: {
+      os << "budget " << budget_mib << " MiB";
+      if (!blocks.empty()) {
+        os << ": blocks";
+        for (size_t i = 0; i < blocks.size(); ++i)
+          if (blocks[i]) os << " " << i;
+      }
+      break;
+    }
+  }
+  if (offload && mode != Mode::kNone) os << ", inputs offloaded to CPU";
+  return os.str();
+}
+
+bool CheckpointPolicy::checkpoints_block(int64_t i) const {
+  switch (mode) {
+    case Mode::kAll: return true;
+    case Mode::kEvery: return i % every == 0;
+    case Mode::kBudget: return blocks.empty() || (i < static_cast<int64_t>(blocks.size()) && blocks[i]);
+    default: return false;
+  }
+}
+
+torch::Tensor forward_with_checkpointing(Model& model, const torch::Tensor& input, const CheckpointPolicy& policy) {
+  auto h = model.embed(input);
+  const auto parts = model.part_names();
+  const CheckpointOptions options{.offload = policy.offload};
+  for (int64_t i = 0; i < model.num_blocks(); ++i) {
+    t_block_id = i;
+    if (policy.checkpoints_block(i)) {
+      h = checkpoint([&model, i](const torch::Tensor& x) { return model.block(i, x); }, h, model.block_parameters(i),
+                     options);
+    } else if (policy.mode == CheckpointPolicy::Mode::kPart) {
+      for (size_t p = 0; p < parts.size(); ++p) {
+        if (policy.checkpoints_part(parts[p])) {
+          h = checkpoint([&model, i, p](const torch::Tensor& x) { return model.block_part(i, p, x); }, h,
+                         model.block_parameters(i), options);
+        } else {
+          h = model.block_part(i, p, h);
+        }
+      }
+    } else {
+      h = model.block(i, h);
+    }
+  }
+  t_block_id = -1;
+  return model.head(h);
+}
+
+BlockActivationProfile profile_block_activations(Model& model, const std::function<torch::Tensor()>& loss_fn,
+                                                 const c10::Device& device) {
+  BlockActivationProfile profile;
+  profile.activation_bytes.assign(model.num_blocks(), 0);
+  profile.input_bytes.assign(model.num_blocks(), 0);
+  ProfileSink sink{device, &profile.activation_bytes, &profile.input_bytes};
+  reset_peak(device);
+  const auto start = read_counters(device).allocated;
+  g_profile = &sink;
+  try {
+    loss_fn().backward();
+  } catch (...) {
+    g_profile = nullptr;
+    throw;
+  }
+  g_profile = nullptr;
+  profile.all_checkpointed_peak = read_counters(device).peak_allocated - start;
+  return profile;
+}
+
+std::vector<bool> plan_checkpoint_budget(const BlockActivationProfile& profile, int64_t budget_bytes) {
+  const auto n = profile.activation_bytes.size();
+  MEMTRAIN_CHECK(profile.all_checkpointed_peak <= budget_bytes, ConfigError, "[checkpoint] memory.checkpoint = budget:",
+                 budget_bytes / (1024.0 * 1024.0), " MiB cannot be met: with every block checkpointed the activation "
+                 "peak is ", format_bytes(profile.all_checkpointed_peak), "; the smallest feasible budget is budget:",
+                 std::ceil(profile.all_checkpointed_peak / (1024.0 * 1024.0) * 100) / 100);
+  // Leaving block i un-checkpointed adds what it keeps beyond its input.
+  std::vector<size_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  auto extra = [&](size_t i) { return std::max<int64_t>(0, profile.activation_bytes[i] - profile.input_bytes[i]); };
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return extra(a) < extra(b); });
+  std::vector<bool> checkpointed(n, true);
+  int64_t estimate = profile.all_checkpointed_peak;
+  for (auto i : order) {
+    if (estimate + extra(i) > budget_bytes) break;
+    estimate += extra(i);
+    checkpointed[i] = false;
+  }
+  return checkpointed;
+}
+
+}  // namespace memtrain

@@ -1,0 +1,343 @@
+#include "memtrain/config.h"
+
+#include <algorithm>
+#include <boost/program_options.hpp>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <sstream>
+
+#include "memtrain/error.h"
+
+namespace po = boost::program_options;
+
+namespace memtrain {
+namespace {
+
+// One config key: how Boost parses it into the struct, and how to print it back.
+struct Entry {
+  std::string key;  // "section.key"
+  std::string help;
+  std::function<void(po::options_description&)> declare;
+  std::function<std::string()> show;
+};
+
+template <class T>
+std::string show_value(const T& v) {
+  std::ostringstream os;
+  if constexpr (std::is_same_v<T, bool>) {
+    os << (v ? "true" : "false");
+  } else {
+    os << v;
+  }
+  return os.str();
+}
+
+template <class T>
+Entry entry(std::string key, T* field, std::string help) {
+  Entry e;
+  e.key = key;
+  e.help = help;
+  e.declare = [key, field, help](po::options_description& d) {
+    d.add_options()(key.c_str(), po::value<T>(field)->default_value(*field, show_value(*field)),
+                    help.c_str());
+  };
+  e.show = [field] { return show_value(*field); };
+  return e;
+}
+
+std::vector<Entry> entries(Config& c) {
+  auto& m = c.model;
+  auto& d = c.data;
+  auto& t = c.train;
+  auto& mem = c.memory;
+  auto& dist = c.dist;
+  auto& l = c.log;
+  auto& ck = c.checkpoint;
+  return {
+      entry("model.name", &m.name, "gpt | resnet | mlp"),
+      entry("model.preset", &m.preset, "gpt size: custom | tiny | gpt2 | gpt2-medium | gpt2-large | gpt2-xl"),
+      entry("model.n_layer", &m.n_layer, "gpt: transformer blocks"),
+      entry("model.n_head", &m.n_head, "gpt: attention heads"),
+      entry("model.n_embd", &m.n_embd, "gpt: embedding width"),
+      entry("model.block_size", &m.block_size, "gpt: context length in tokens"),
+      entry("model.vocab_size", &m.vocab_size, "gpt: vocabulary; 0 = from the data"),
+      entry("model.dropout", &m.dropout, "dropout probability"),
+      entry("model.bias", &m.bias, "gpt: biases in Linear and LayerNorm"),
+      entry("model.depth", &m.depth, "resnet: 18 | 50"),
+      entry("model.width", &m.width, "resnet: channels of the first stage"),
+      entry("model.stem", &m.stem, "resnet: small | imagenet"),
+      entry("model.hidden", &m.hidden, "mlp: comma-separated hidden widths"),
+      entry("data.dataset", &d.dataset, "text | fashion_mnist | synthetic"),
+      entry("data.path", &d.path, "text file or Fashion-MNIST folder; empty = prepared cache"),
+      entry("data.val_fraction", &d.val_fraction, "fraction held out for validation, in [0, 0.5]"),
+      entry("train.device", &t.device, "cpu | cuda | auto"),
+      entry("train.optimizer", &t.optimizer, "adamw | sgd"),
+      entry("train.lr", &t.lr, "peak learning rate"),
+      entry("train.min_lr", &t.min_lr, "learning rate at the end of the cosine decay"),
+      entry("train.warmup_steps", &t.warmup_steps, "linear warm-up steps"),
+      entry("train.steps", &t.steps, "optimizer steps"),
+      entry("train.weight_decay", &t.weight_decay, "decoupled weight decay (matrices only)"),
+      entry("train.beta1", &t.beta1, "adamw beta1"),
+      entry("train.beta2", &t.beta2, "adamw beta2"),
+      entry("train.eps", &t.eps, "adamw epsilon"),
+      entry("train.momentum", &t.momentum, "sgd momentum"),
+      entry("train.grad_clip", &t.grad_clip, "max global gradient norm; 0 = off"),
+      entry("train.micro_batch", &t.micro_batch, "samples per micro-batch per rank"),
+      entry("train.accum_steps", &t.accum_steps, "micro-batches per optimizer step"),
+      entry("train.precision", &t.precision, "fp32 | bf16 | fp16 (CUDA only)"),
+      entry("train.seed", &t.seed, "seed for weights, data order and dropout"),
+      entry("train.eval_every", &t.eval_every, "evaluate every N steps; 0 = at the end only"),
+      entry("train.eval_batches", &t.eval_batches, "validation batches per evaluation"),
+      entry("train.threads", &t.threads, "intra-op CPU threads; 0 = LibTorch default"),
+      entry("memory.track", &mem.track, "record per-step peak memory"),
+      entry("memory.checkpoint", &mem.checkpoint, "none | all | every:K | attn | mlp | budget:MiB"),
+      entry("memory.offload", &mem.offload, "keep checkpointed block inputs in CPU memory"),
+      entry("dist.backend", &dist.backend, "auto | gloo | nccl"),
+      entry("dist.timeout_s", &dist.timeout_s, "collective timeout in seconds"),
+      entry("log.every", &l.every, "a log line every N steps"),
+      entry("log.dir", &l.dir, "folder for run outputs"),
+      entry("log.name", &l.name, "run name; empty = config file stem"),
+      entry("log.progress", &l.progress, "auto | bar | lines"),
+      entry("checkpoint.dir", &ck.dir, "where weights are saved; empty = <run>/checkpoints"),
+      entry("checkpoint.every", &ck.every, "save weights every N steps; 0 = only at the end"),
+      entry("checkpoint.save_final", &ck.save_final, "save weights when training ends"),
+  };
+}
+
+// Where a key sits in an INI file, so errors can name the line and the raw value.
+struct Location {
+  int line = 0;
+  std::string raw;
+};
+
+std::string trim(const std::string& s) {
+  auto b = s.find_first_not_of(" \t\r");
+  if (b == std::string::npos) return "";
+  auto e = s.find_last_not_of(" \t\r");
+  return s.substr(b, e - b + 1);
+}
+
+std::map<std::string, Location> scan_ini(const std::string& path) {
+  std::map<std::string, Location> out;
+  std::ifstream in(path);
+  std::string line, section;
+  for (int n = 1; std::getline(in, line); ++n) {
+    auto s = trim(line);
+    if (s.empty() || s[0] == '#' || s[0] == ';') continue;
+    if (s.front() == '[' && s.back() == ']') {
+      section = trim(s.substr(1, s.size() - 2));
+      continue;
+    }
+    auto eq = s.find('=');
+    if (eq == std::string::npos) continue;
+    auto key = trim(s.substr(0, eq));
+    out[section.empty() ? key : section + "." + key] = {n, trim(s.substr(eq + 1))};
+  }
+  return out;
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j)
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] != b[j - 1])});
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+std::string known_keys_hint(const std::vector<Entry>& all, const std::string& bad) {
+  auto section = bad.substr(0, bad.find('.'));
+  std::string best;
+  size_t best_d = 4;  // suggest only close matches
+  std::string in_section;
+  for (const auto& e : all) {
+    auto d = edit_distance(e.key, bad);
+    if (d < best_d) best_d = d, best = e.key;
+    if (e.key.rfind(section + ".", 0) == 0) in_section += (in_section.empty() ? "" : ", ") + e.key;
+  }
+  std::string hint;
+  if (!best.empty()) hint += "; did you mean '" + best + "'?";
+  if (!in_section.empty()) hint += " Known keys in [" + section + "]: " + in_section;
+  else hint += " Known sections: [model] [data] [train] [memory] [dist] [log] [checkpoint]";
+  return hint;
+}
+
+}  // namespace
+
+Config Config::load(const std::string& path, const std::vector<std::string>& overrides) {
+  Config c;
+  c.source = path;
+  auto all = entries(c);
+  po::options_description desc;
+  for (const auto& e : all) e.declare(desc);
+
+  po::variables_map vm;
+  // Command-line overrides first: Boost keeps the first value stored for a key.
+  try {
+    po::store(po::command_line_parser(overrides).options(desc).style(po::command_line_style::default_style &
+                                                                       ~po::command_line_style::allow_guessing)
+                  .run(),
+              vm);
+  } catch (const po::unknown_option& e) {
+    auto key = e.get_option_name();
+    if (key.rfind("--", 0) == 0) key = key.substr(2);
+    throw ConfigError(detail::concat("[config] command line: unknown option '--", key, "'",
+                                     known_keys_hint(all, key)));
+  } catch (const po::error& e) {
+    throw ConfigError(detail::concat("[config] command line: ", e.what()));
+  }
+
+  if (!path.empty()) {
+    std::error_code ec;
+    MEMTRAIN_CHECK(std::filesystem::is_regular_file(path, ec), ConfigError, "[config] cannot open config file '",
+                   path, "': ", std::filesystem::exists(path, ec) ? "not a regular file" : "no such file");
+    std::ifstream in(path);
+    MEMTRAIN_CHECK(in.good(), ConfigError, "[config] cannot read config file '", path, "'");
+    auto where = scan_ini(path);
+    auto at = [&](const std::string& key) {
+      auto it = where.find(key);
+      return it == where.end() ? path : detail::concat(path, ":", it->second.line);
+    };
+    try {
+      po::store(po::parse_config_file(in, desc, /*allow_unregistered=*/false), vm);
+    } catch (const po::unknown_option& e) {
+      auto key = e.get_option_name();
+      throw ConfigError(detail::concat("[config] ", at(key), ": unknown key '", key.substr(key.find('.') + 1),
+                                       "' in section [", key.substr(0, key.find('.')), "]",
+                                       known_keys_hint(all, key)));
+    } catch (const po::invalid_option_value& e) {
+      auto key = e.get_option_name();
+      auto it = where.find(key);
+      throw ConfigError(detail::concat("[config] ", at(key), ": invalid value '",
+                                       it == where.end() ? "" : it->second.raw, "' for ", key, " (", e.what(), ")"));
+    } catch (const po::error& e) {
+      throw ConfigError(detail::concat("[config] ", path, ": ", e.what()));
+    }
+  }
+  try {
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw ConfigError(detail::concat("[config] ", e.what()));
+  }
+  c.validate();
+  return c;
+}
+
+namespace {
+void check_one_of(const std::string& key, const std::string& value, std::initializer_list<const char*> allowed) {
+  for (const char* a : allowed)
+    if (value == a) return;
+  std::string list;
+  for (const char* a : allowed) list += (list.empty() ? "" : " | ") + std::string(a);
+  throw ConfigError(detail::concat("[config] ", key, " = '", value, "' is not allowed; expected one of: ", list));
+}
+
+template <class T>
+void check_range(const std::string& key, T value, bool ok, const char* allowed) {
+  MEMTRAIN_CHECK(ok, ConfigError, "[config] ", key, " = ", value, " is out of range: expected ", allowed);
+}
+
+bool parse_positive_suffix(const std::string& s, const std::string& prefix, double* out) {
+  if (s.rfind(prefix, 0) != 0) return false;
+  try {
+    size_t used = 0;
+    *out = std::stod(s.substr(prefix.size()), &used);
+    return used == s.size() - prefix.size() && *out > 0;
+  } catch (...) {
+    return false;
+  }
+}
+}  // namespace
+
+void Config::validate() const {
+  check_one_of("model.name", model.name, {"gpt", "resnet", "mlp"});
+  check_one_of("model.preset", model.preset, {"custom", "tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"});
+  check_range("model.n_layer", model.n_layer, model.n_layer >= 1, ">= 1");
+  check_range("model.n_head", model.n_head, model.n_head >= 1, ">= 1");
+  check_range("model.n_embd", model.n_embd, model.n_embd >= 1 && model.n_embd % model.n_head == 0,
+              "a positive multiple of model.n_head");
+  check_range("model.block_size", model.block_size, model.block_size >= 1, ">= 1");
+  check_range("model.vocab_size", model.vocab_size, model.vocab_size >= 0, ">= 0 (0 = from the data)");
+  check_range("model.dropout", model.dropout, model.dropout >= 0 && model.dropout < 1, "in [0, 1)");
+  check_range("model.depth", model.depth, model.depth == 18 || model.depth == 50, "18 or 50");
+  check_range("model.width", model.width, model.width >= 1, ">= 1");
+  check_one_of("model.stem", model.stem, {"small", "imagenet"});
+  {
+    std::stringstream ss(model.hidden);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      bool ok = false;
+      try {
+        size_t used = 0;
+        ok = std::stoll(trim(item), &used) > 0 && used == trim(item).size();
+      } catch (...) {
+      }
+      MEMTRAIN_CHECK(ok, ConfigError, "[config] model.hidden = '", model.hidden,
+                     "' is invalid: expected comma-separated positive integers, e.g. 256,128");
+    }
+  }
+  check_one_of("data.dataset", data.dataset, {"text", "fashion_mnist", "synthetic"});
+  check_range("data.val_fraction", data.val_fraction, data.val_fraction >= 0 && data.val_fraction <= 0.5, "in [0, 0.5]");
+  check_one_of("train.device", train.device, {"cpu", "cuda", "auto"});
+  check_one_of("train.optimizer", train.optimizer, {"adamw", "sgd"});
+  check_range("train.lr", train.lr, train.lr > 0, "> 0");
+  check_range("train.min_lr", train.min_lr, train.min_lr >= 0 && train.min_lr <= train.lr, "in [0, train.lr]");
+  check_range("train.warmup_steps", train.warmup_steps, train.warmup_steps >= 0, ">= 0");
+  check_range("train.steps", train.steps, train.steps >= 1, ">= 1");
+  check_range("train.weight_decay", train.weight_decay, train.weight_decay >= 0, ">= 0");
+  check_range("train.beta1", train.beta1, train.beta1 >= 0 && train.beta1 < 1, "in [0, 1)");
+  check_range("train.beta2", train.beta2, train.beta2 >= 0 && train.beta2 < 1, "in [0, 1)");
+  check_range("train.eps", train.eps, train.eps > 0, "> 0");
+  check_range("train.momentum", train.momentum, train.momentum >= 0 && train.momentum < 1, "in [0, 1)");
+  check_range("train.grad_clip", train.grad_clip, train.grad_clip >= 0, ">= 0 (0 = off)");
+  check_range("train.micro_batch", train.micro_batch, train.micro_batch >= 1, ">= 1");
+  check_range("train.accum_steps", train.accum_steps, train.accum_steps >= 1, ">= 1");
+  check_one_of("train.precision", train.precision, {"fp32", "bf16", "fp16"});
+  check_range("train.eval_every", train.eval_every, train.eval_every >= 0, ">= 0");
+  check_range("train.eval_batches", train.eval_batches, train.eval_batches >= 1, ">= 1");
+  check_range("train.threads", train.threads, train.threads >= 0, ">= 0");
+  {
+    const auto& p = memory.checkpoint;
+    double v = 0;
+    bool ok = p == "none" || p == "all" || p == "attn" || p == "mlp" ||
+              (parse_positive_suffix(p, "every:", &v) && v == static_cast<int64_t>(v)) ||
+              parse_positive_suffix(p, "budget:", &v);
+    MEMTRAIN_CHECK(ok, ConfigError, "[config] memory.checkpoint = '", p,
+                   "' is not allowed; expected none | all | every:K (K >= 1) | attn | mlp | budget:MiB (> 0)");
+  }
+  check_one_of("dist.backend", dist.backend, {"auto", "gloo", "nccl"});
+  check_range("dist.timeout_s", dist.timeout_s, dist.timeout_s >= 1, ">= 1");
+  check_range("log.every", log.every, log.every >= 1, ">= 1");
+  check_one_of("log.progress", log.progress, {"auto", "bar", "lines"});
+  check_range("checkpoint.every", checkpoint.every, checkpoint.every >= 0, ">= 0");
+}
+
+std::string Config::to_ini() const {
+  auto all = entries(const_cast<Config&>(*this));
+  std::ostringstream os;
+  std::string section;
+  if (!source.empty()) os << "# resolved from " << source << "\n";
+  for (const auto& e : all) {
+    auto s = e.key.substr(0, e.key.find('.'));
+    if (s != section) {
+      os << (section.empty() ? "" : "\n") << "[" << s << "]\n";
+      section = s;
+    }
+    os << e.key.substr(e.key.find('.') + 1) << " = " << e.show() << "\n";
+  }
+  return os.str();
+}
+
+std::string Config::help() {
+  Config c;
+  std::ostringstream os;
+  for (const auto& e : entries(c)) os << "  --" << e.key << "=" << e.show() << "\n      " << e.help << "\n";
+  return os.str();
+}
+
+}  // namespace memtrain

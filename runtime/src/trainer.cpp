@@ -1,0 +1,326 @@
+#include "memtrain/trainer.h"
+
+#include <torch/cuda.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <iomanip>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "memtrain/data/safetensors.h"
+#include "memtrain/error.h"
+#include "memtrain/memory.h"
+
+namespace memtrain {
+
+namespace fs = std::filesystem;
+
+c10::Device resolve_device(const std::string& name, int local_rank) {
+  if (name == "cpu") return c10::kCPU;
+  const bool cuda = torch::cuda::is_available();
+  if (name == "auto") return cuda ? c10::Device(c10::kCUDA, local_rank) : c10::Device(c10::kCPU);
+  MEMTRAIN_CHECK(name == "cuda", ConfigError, "[config] train.device = '", name, "': expected cpu | cuda | auto");
+  MEMTRAIN_CHECK(cuda, ConfigError, "[config] train.device = cuda, but no CUDA device is available here; use cpu or auto");
+  MEMTRAIN_CHECK(local_rank < static_cast<int>(torch::cuda::device_count()), ConfigError, "[dist] local rank ",
+                 local_rank, " has no GPU: only ", torch::cuda::device_count(), " visible");
+  return c10::Device(c10::kCUDA, local_rank);
+}
+
+namespace {
+std::shared_ptr<Dataset> dataset_for(const Config& c, const World& w) {
+  return make_dataset(c, {w.rank, w.world_size});
+}
+}  // namespace
+
+Trainer::Trainer(const Config& config, const World& world) : config_(config), world_(world) {
+  if (config_.train.threads > 0) at::set_num_threads(static_cast<int>(config_.train.threads));
+  data_ = dataset_for(config_, world_);
+  torch::manual_seed(static_cast<uint64_t>(config_.train.seed));  // weights depend on the seed alone
+  model_ = make_model(config_.model, data_->info());
+  setup();
+}
+
+Trainer::Trainer(const Config& config, std::shared_ptr<Model> model, std::shared_ptr<Dataset> data, const World& world)
+    : config_(config), world_(world), model_(std::move(model)), data_(std::move(data)) {
+  MEMTRAIN_CHECK(model_ && data_, Error, "[trainer] a model and a dataset are required");
+  setup();
+}
+
+void Trainer::setup() {
+  const auto& t = config_.train;
+  MEMTRAIN_CHECK(world_.world_size == 1, Error, "[dist] WORLD_SIZE=", world_.world_size,
+                 ": this build trains in a single process; multi-process training (ZeRO over c10d) is not "
+                 "implemented yet");
+  device_ = resolve_device(t.device, world_.local_rank);
+  precision_ = parse_precision(t.precision);
+  check_precision_supported(precision_, device_);
+  model_->to(device_);
+  model_->train();
+
+  std::set<const void*> seen;
+  for (const auto& p : model_->parameters())
+    if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) params_.push_back(p);
+  optimizer_ = make_optimizer(t, model_->named_parameters());
+  schedule_ = std::make_unique<CosineSchedule>(
+      CosineScheduleOptions{.peak = t.lr, .min = t.min_lr, .warmup_steps = t.warmup_steps, .total_steps = t.steps});
+  if (precision_ == Precision::kFp16) scaler_ = std::make_unique<GradScaler>(GradScalerOptions{}, device_);
+
+  policy_ = CheckpointPolicy::parse(config_.memory.checkpoint);
+  policy_.offload = config_.memory.offload;
+  if (policy_.mode == CheckpointPolicy::Mode::kPart) {
+    auto parts = model_->part_names();
+    MEMTRAIN_CHECK(std::find(parts.begin(), parts.end(), policy_.part) != parts.end(), ConfigError,
+                   "[config] memory.checkpoint = ", policy_.part, ": this model's blocks have no '", policy_.part,
+                   "' part (selective checkpointing needs a transformer; use all or every:K)");
+  }
+
+  MemoryTrackerOptions mo;
+  mo.rank = world_.rank;
+  mo.devices.clear();
+  if (cpu_memory::installed()) mo.devices.push_back(c10::kCPU);
+  if (device_.is_cuda()) mo.devices.push_back(device_);
+  MEMTRAIN_CHECK(!config_.memory.track || !mo.devices.empty(), Error,
+                 "[memory] memory.track = true on CPU needs memtrain::cpu_memory::install() at the start of main()");
+  if (!config_.memory.track) mo.devices.clear();
+  tracker_ = std::make_unique<MemoryTracker>(mo);
+  tracker_->set_resident_source([this](const c10::Device& d) {
+    return resident_bytes(params_, optimizer_state_tensors(*optimizer_), d);
+  });
+
+  auto name = config_.log.name;
+  if (name.empty()) name = config_.source.empty() ? "run" : fs::path(config_.source).stem().string();
+  run_dir_ = (fs::path(config_.log.dir) / name).string();
+}
+
+torch::Tensor Trainer::forward_loss(const Batch& batch) {
+  AutocastGuard autocast(device_.type(), autocast_dtype(precision_));
+  auto output = forward_with_checkpointing(*model_, batch.input, policy_);
+  return model_->loss(output, batch.target);
+}
+
+void Trainer::resolve_budget_policy() {
+  // budget:MiB: one measured forward + backward with every block checkpointed gives each block's
+  // activation bytes; the plan then checkpoints as few blocks as fit the budget.
+  auto batch = data_->train_batch(step_, 0, config_.train.micro_batch);
+  batch.input = batch.input.to(device_), batch.target = batch.target.to(device_);
+  auto measure_device = device_.is_cuda() ? device_ : c10::Device(c10::kCPU);
+  MEMTRAIN_CHECK(device_.is_cuda() || cpu_memory::installed(), Error,
+                 "[checkpoint] budget policy on CPU needs memtrain::cpu_memory::install()");
+  auto profile = profile_block_activations(*model_, [&] { return forward_loss(batch); }, measure_device);
+  optimizer_->zero_grad(true);
+  policy_.blocks = plan_checkpoint_budget(profile, static_cast<int64_t>(policy_.budget_mib * 1024 * 1024));
+}
+
+StepResult Trainer::step() {
+  const auto& t = config_.train;
+  if (policy_.budget_unresolved()) resolve_budget_policy();
+  StepResult r;
+  r.step = step_;
+  r.lr = schedule_->at(step_);
+  set_learning_rate(*optimizer_, r.lr);
+  optimizer_->zero_grad(/*set_to_none=*/true);
+  tracker_->begin_step(step_);
+
+  // 1. Micro-batches: forward under autocast, loss scaled to the mean over the step, backward.
+  auto loss_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat).device(device_));
+  for (int64_t micro = 0; micro < t.accum_steps; ++micro) {
+    auto batch = data_->train_batch(step_, micro, t.micro_batch);
+    batch.input = batch.input.to(device_, /*non_blocking=*/true);
+    batch.target = batch.target.to(device_, /*non_blocking=*/true);
+    auto loss = forward_loss(batch) / static_cast<double>(t.accum_steps);
+    tracker_->end_phase(Phase::kForward);
+    (scaler_ ? scaler_->scale(loss) : loss).backward();
+    tracker_->end_phase(Phase::kBackward);
+    loss_sum += loss.detach();
+  }
+  // 2. Reduce gradients across ranks: a single process has nothing to reduce.
+  // 3. Unscale (fp16), clip; the norm stays on the device.
+  if (scaler_) scaler_->unscale(params_);
+  r.grad_norm = clip_grad_norm(params_, t.grad_clip);
+  // 4. Optimizer step (skipped by the scaler on inf/NaN gradients).
+  if (scaler_) {
+    r.applied = scaler_->step(*optimizer_, params_);
+    scaler_->update();
+  } else {
+    optimizer_->step();
+  }
+  tracker_->end_phase(Phase::kOptimizer);
+  // 5. Memory sample of this step.
+  tracker_->end_step();
+  r.loss = loss_sum;
+  ++step_;
+  return r;
+}
+
+EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
+  torch::NoGradGuard no_grad;
+  model_->eval();
+  EvalResult e;
+  double loss_sum = 0;
+  int64_t correct = 0;
+  bool classifier = false;
+  for (const auto& b : batches) {
+    auto x = b.input.to(device_), y = b.target.to(device_);
+    torch::Tensor out;
+    {
+      AutocastGuard autocast(device_.type(), autocast_dtype(precision_));
+      out = model_->forward(x);
+    }
+    const auto n = y.size(0);
+    loss_sum += model_->loss(out, y).item<double>() * static_cast<double>(n);
+    if (out.dim() == 2) {
+      classifier = true;
+      correct += out.argmax(1).eq(y).sum().item<int64_t>();
+    }
+    e.samples += n;
+  }
+  model_->train();
+  if (e.samples > 0) {
+    e.loss = loss_sum / static_cast<double>(e.samples);
+    if (classifier) e.accuracy = static_cast<double>(correct) / static_cast<double>(e.samples);
+  }
+  return e;
+}
+
+void Trainer::save_weights(const std::string& path) const {
+  std::map<std::string, torch::Tensor> tensors;
+  for (const auto& item : model_->named_parameters()) tensors.emplace(item.key(), item.value());
+  for (const auto& item : model_->named_buffers()) tensors.emplace(item.key(), item.value());
+  save_safetensors(path, tensors, {{"format", "memtrain-weights"}, {"version", "1"}, {"step", std::to_string(step_)}});
+}
+
+namespace {
+
+std::string si(double v) {
+  std::ostringstream os;
+  const char* suffix = "";
+  if (v >= 1e9) v /= 1e9, suffix = "G";
+  else if (v >= 1e6) v /= 1e6, suffix = "M";
+  else if (v >= 1e3) v /= 1e3, suffix = "k";
+  os << std::fixed << std::setprecision(1) << v << suffix;
+  return os.str();
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  const auto tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    MEMTRAIN_CHECK(out.good(), Error, "[trainer] cannot write ", tmp);
+    out << text;
+  }
+  fs::rename(tmp, path);
+}
+
+}  // namespace
+
+void Trainer::fit() {
+  const auto& t = config_.train;
+  const bool main = world_.is_main();
+  const bool bar = config_.log.progress == "bar" || (config_.log.progress == "auto" && isatty(STDOUT_FILENO));
+  fs::create_directories(run_dir_);
+  if (main) {
+    std::cout << config_.to_ini() << "\n";
+    write_text((fs::path(run_dir_) / "config.ini").string(), config_.to_ini());
+    std::cout << "model:      " << model_->describe() << "\n"
+              << "data:       " << data_->describe() << "\n"
+              << "device:     " << device_.str() << ", precision " << precision_name(precision_) << ", "
+              << at::get_num_threads() << " threads\n"
+              << "batch:      " << t.micro_batch << " x " << t.accum_steps << " micro-batches x " << world_.world_size
+              << " ranks = " << t.micro_batch * t.accum_steps * world_.world_size << " samples per step\n"
+              << "checkpoint: " << policy_.describe() << "\n"
+              << "run folder: " << run_dir_ << "\n"
+              << std::flush;
+  }
+  if (config_.memory.track)
+    tracker_->write_jsonl((fs::path(run_dir_) / ("memory.rank" + std::to_string(world_.rank) + ".jsonl")).string());
+  std::ofstream metrics((fs::path(run_dir_) / "metrics.jsonl").string(), std::ios::trunc);
+  const auto ckpt_dir = config_.checkpoint.dir.empty() ? (fs::path(run_dir_) / "checkpoints").string() : config_.checkpoint.dir;
+
+  const double samples_per_step = static_cast<double>(t.micro_batch * t.accum_steps * world_.world_size);
+  const double tokens_per_step = samples_per_step * static_cast<double>(model_->tokens_per_sample());
+  auto last_time = std::chrono::steady_clock::now();
+  int64_t last_step = step_;
+  double last_loss = std::numeric_limits<double>::quiet_NaN();
+  while (step_ < t.steps) {
+    auto r = step();
+    const bool last = step_ == t.steps;
+    if (step_ % config_.log.every == 0 || last || step_ == 1) {
+      // Host reads happen here only, every log.every steps.
+      if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
+      auto now = std::chrono::steady_clock::now();
+      const double ms = std::chrono::duration<double, std::milli>(now - last_time).count() /
+                        static_cast<double>(step_ - last_step);
+      last_time = now, last_step = step_;
+      last_loss = r.loss.item<double>();
+      const double norm = r.grad_norm.item<double>();
+      const auto& mem = tracker_->last();
+      nlohmann::json j = {{"step", step_}, {"loss", last_loss}, {"lr", r.lr}, {"grad_norm", norm}, {"ms_per_step", ms},
+                          {"samples_per_s", samples_per_step * 1000 / ms}};
+      if (model_->tokens_per_sample() > 1) j["tokens_per_s"] = tokens_per_step * 1000 / ms;
+      j["mfu_flops_per_s"] = samples_per_step * model_->train_flops_per_sample() * 1000 / ms;
+      if (scaler_) j["loss_scale"] = scaler_->current_scale(), j["skipped"] = !r.applied;
+      for (const auto& m : mem) j["peak_" + m.device] = m.peak_allocated;
+      metrics << j.dump() << "\n" << std::flush;
+      if (main) {
+        std::ostringstream line;
+        line << "step " << std::setw(5) << step_ << "/" << t.steps << " | loss " << std::fixed << std::setprecision(4)
+             << last_loss << " | lr " << std::scientific << std::setprecision(2) << r.lr << " | grad "
+             << std::fixed << std::setprecision(3) << norm << " | " << std::setprecision(1) << ms << " ms/step | "
+             << si(model_->tokens_per_sample() > 1 ? tokens_per_step * 1000 / ms : samples_per_step * 1000 / ms)
+             << (model_->tokens_per_sample() > 1 ? " tok/s" : " samples/s");
+        for (const auto& m : mem)
+          line << " | peak " << m.device << " " << format_bytes(m.peak_allocated) << " (" << phase_name(m.peak_phase)
+               << ")";
+        if (scaler_) line << " | scale " << scaler_->current_scale() << (r.applied ? "" : " SKIPPED (inf/NaN)");
+        if (bar) {
+          const int width = 20, filled = static_cast<int>(width * step_ / t.steps);
+          std::cout << "\r[" << std::string(filled, '#') << std::string(width - filled, '.') << "] " << line.str()
+                    << "\033[K" << std::flush;
+        } else {
+          std::cout << line.str() << "\n" << std::flush;
+        }
+      }
+    }
+    if (t.eval_every > 0 && step_ % t.eval_every == 0 && !last) {
+      auto e = evaluate(data_->val_batches(t.micro_batch, t.eval_batches));
+      metrics << nlohmann::json({{"step", step_}, {"val_loss", e.loss}}).dump() << "\n" << std::flush;
+      if (main) std::cout << (bar ? "\n" : "") << "eval step " << step_ << ": val loss " << std::fixed
+                          << std::setprecision(4) << e.loss << "\n" << std::flush;
+    }
+    if (config_.checkpoint.every > 0 && step_ % config_.checkpoint.every == 0 && main) {
+      fs::create_directories(ckpt_dir);
+      save_weights((fs::path(ckpt_dir) / ("model.step" + std::to_string(step_) + ".safetensors")).string());
+    }
+  }
+  if (bar && main) std::cout << "\n";
+
+  nlohmann::json summary = {{"steps", step_}, {"final_train_loss", last_loss}};
+  auto val = evaluate(data_->val_batches(t.micro_batch, t.eval_batches));
+  summary["val_loss"] = val.loss;
+  auto test_batches = data_->test_batches(256);
+  std::ostringstream out;
+  out << "final: val loss " << std::fixed << std::setprecision(4) << val.loss;
+  if (val.accuracy >= 0) out << ", val accuracy " << std::setprecision(2) << 100 * val.accuracy << "%";
+  if (!test_batches.empty()) {
+    auto test = evaluate(test_batches);
+    summary["test_loss"] = test.loss, summary["test_accuracy"] = test.accuracy;
+    out << ", test accuracy " << std::setprecision(2) << 100 * test.accuracy << "% on " << test.samples << " images";
+  }
+  if (main) {
+    std::cout << out.str() << "\n";
+    if (config_.memory.track) std::cout << tracker_->summary_table();
+    if (config_.checkpoint.save_final) {
+      fs::create_directories(ckpt_dir);
+      const auto path = (fs::path(ckpt_dir) / "model.safetensors").string();
+      save_weights(path);
+      std::cout << "saved weights to " << path << "\n";
+    }
+    write_text((fs::path(run_dir_) / "summary.json").string(), summary.dump(2) + "\n");
+  }
+}
+
+}  // namespace memtrain
