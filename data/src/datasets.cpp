@@ -34,8 +34,8 @@ at::Generator batch_generator(int64_t seed, int64_t step, int64_t micro) {
 // Byte-level language modelling on a text file: vocabulary of 256, windows of block_size + 1 bytes.
 class TextDataset : public Dataset {
  public:
-  TextDataset(const std::string& path, int64_t block_size, double val_fraction, int64_t seed, Shard shard)
-      : path_(path), block_(block_size), seed_(seed), shard_(shard) {
+  TextDataset(const std::string& path, int64_t block_size, double val_fraction, int64_t seed, int64_t accum, Shard shard)
+      : path_(path), block_(block_size), seed_(seed), accum_(accum), shard_(shard) {
     std::error_code ec;
     MEMTRAIN_CHECK(fs::is_regular_file(path, ec), DataError, "[data] text corpus '", path,
                    "' not found; run scripts/setup.sh to prepare it, or set data.path");
@@ -60,10 +60,13 @@ class TextDataset : public Dataset {
   }
 
   Batch train_batch(int64_t step, int64_t micro, int64_t batch_size) override {
-    auto gen = batch_generator(seed_, step, micro);
-    const int64_t global = batch_size * shard_.world;
+    // One draw per optimizer step for the whole global batch, laid out [micro][rank][sample]: so
+    // 4 x 8 micro-batches see exactly the samples of one 32-sample batch, and ranks are disjoint.
+    auto gen = batch_generator(seed_, step, 0);
+    const int64_t global = batch_size * shard_.world * accum_;
+    const int64_t first = (micro * shard_.world + shard_.rank) * batch_size;
     auto starts = torch::randint(0, train_.size(0) - block_ - 1, {global}, gen, torch::kLong)
-                      .slice(0, shard_.rank * batch_size, (shard_.rank + 1) * batch_size);
+                      .slice(0, first, first + batch_size);
     return windows(train_, starts);
   }
 
@@ -91,7 +94,7 @@ class TextDataset : public Dataset {
   }
 
   std::string path_;
-  int64_t block_, seed_;
+  int64_t block_, seed_, accum_;
   Shard shard_;
   torch::Tensor tokens_;  // (N,) uint8, the whole corpus
   torch::Tensor train_, val_;
@@ -206,7 +209,8 @@ class SyntheticDataset : public Dataset {
   }
   DataInfo info() const override { return info_; }
   Batch train_batch(int64_t step, int64_t micro, int64_t batch_size) override {
-    auto gen = batch_generator(seed_ + shard_.rank, step, micro);
+    // Each (step, micro, rank) slot has its own generator: cheap, and independent of accum_steps.
+    auto gen = batch_generator(seed_, step, (micro * shard_.world + shard_.rank) * 7919 + batch_size);
     if (text_) {
       auto x = torch::randint(0, info_.vocab_size, {batch_size, block_ + 1}, gen, torch::kLong);
       return {x.slice(1, 0, block_).contiguous(), x.slice(1, 1, block_ + 1).contiguous()};
@@ -242,7 +246,7 @@ std::unique_ptr<Dataset> make_dataset(const Config& c, const Shard& shard) {
                    c.model.name, "'");
     auto path = d.path.empty() ? (fs::path(default_data_dir()) / "text" / "austen.txt").string() : d.path;
     auto block = c.model.preset == "custom" ? c.model.block_size : GPTOptions::preset(c.model.preset).block_size;
-    return std::make_unique<TextDataset>(path, block, d.val_fraction, c.train.seed, shard);
+    return std::make_unique<TextDataset>(path, block, d.val_fraction, c.train.seed, c.train.accum_steps, shard);
   }
   if (d.dataset == "fashion_mnist") {
     MEMTRAIN_CHECK(c.model.name != "gpt", ConfigError,

@@ -103,3 +103,29 @@ void save_safetensors(const std::string& path, const std::map<std::string, torch
 }
 
 }  // namespace memtrain
+
+#include <torch/nn/module.h>
+
+namespace memtrain {
+
+void load_module_state(torch::nn::Module& module, const std::map<std::string, torch::Tensor>& tensors,
+                       const std::string& source) {
+  std::map<std::string, torch::Tensor> targets;
+  for (const auto& item : module.named_parameters()) targets.emplace(item.key(), item.value());
+  for (const auto& item : module.named_buffers()) targets.emplace(item.key(), item.value());
+  for (const auto& [name, t] : targets) {
+    auto it = tensors.find(name);
+    MEMTRAIN_CHECK(it != tensors.end(), DataError, "[weights] ", source, ": no tensor '", name,
+                   "' for the model's parameter of shape ", t.sizes(), ": weights of a different model?");
+    MEMTRAIN_CHECK(it->second.sizes() == t.sizes(), DataError, "[weights] ", source, ": tensor '", name, "' has shape ",
+                   it->second.sizes(), ", the model expects ", t.sizes());
+  }
+  for (const auto& [name, t] : tensors) {
+    MEMTRAIN_CHECK(targets.count(name) == 1, DataError, "[weights] ", source, ": unexpected tensor '", name,
+                   "': the model has no parameter or buffer of that name");
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& [name, t] : targets) t.copy_(tensors.at(name));
+}
+
+}  // namespace memtrain

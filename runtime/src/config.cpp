@@ -186,6 +186,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   } catch (const po::unknown_option& e) {
     auto key = e.get_option_name();
     if (key.rfind("--", 0) == 0) key = key.substr(2);
+    key = key.substr(0, key.find('='));
     throw ConfigError(detail::concat("[config] command line: unknown option '--", key, "'",
                                      known_keys_hint(all, key)));
   } catch (const po::error& e) {

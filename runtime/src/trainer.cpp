@@ -124,6 +124,9 @@ StepResult Trainer::step() {
   set_learning_rate(*optimizer_, r.lr);
   optimizer_->zero_grad(/*set_to_none=*/true);
   tracker_->begin_step(step_);
+  // Dropout draws from the default generators, reseeded from (seed, step): a step's masks do not depend
+  // on what ran before it in the process (another trainer, an evaluation) and a resumed run repeats them.
+  torch::manual_seed(static_cast<uint64_t>(t.seed) * 1000003u + static_cast<uint64_t>(step_));
 
   // 1. Micro-batches: forward under autocast, loss scaled to the mean over the step, backward.
   auto loss_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat).device(device_));

@@ -16,3 +16,17 @@ void save_safetensors(const std::string& path, const std::map<std::string, torch
                       const std::map<std::string, std::string>& metadata = {});
 
 }  // namespace memtrain
+
+namespace torch::nn {
+class Module;
+}
+
+namespace memtrain {
+
+// Copies `tensors` into the module's parameters and buffers by name. Every name must match, both ways,
+// with the same shape: a missing, unexpected or mis-shaped tensor is an error naming it (a checkpoint
+// from another model), and nothing is copied unless everything matches.
+void load_module_state(torch::nn::Module& module, const std::map<std::string, torch::Tensor>& tensors,
+                       const std::string& source);
+
+}  // namespace memtrain

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# One-shot build and test of memtrain on the lent GPU machine (H200, CUDA 13 nvcc, torch 2.11 in
+# python3, CMake, ninja; no network, none of our Debian packages). Run THERE from the repo root,
+# after scripts/gpu_deps.sh has filled .gpu/ here:  device tool: carry [".gpu"],
+# command "bash scripts/gpu_check.sh", timeout_s 600.
+# Never stops at a failure: each stage's exit status and time go to $OUT/status.txt, everything to
+# $OUT/gpu_check.log, ctest's output also to $OUT/ctest.log (3 of the tool's 8 returned files; the
+# optional scripts/bench_gpu.sh may write up to 5 more). Every stage runs under one deadline,
+# GPU_CHECK_SECONDS (default 550) from the start, so the logs come back inside the tool's 600 s.
+# BENCH_SECONDS (default 150) is kept back from the tests for scripts/bench_gpu.sh when it exists;
+# CTEST_ARGS (e.g. "-R Cuda") is appended to the ctest command line.
+# Idempotent: re-running reuses build-gpu.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT="$(pwd -P)"; P="$ROOT/.gpu"; B="$ROOT/build-gpu"
+export OUT="${OUT:-$ROOT/build-gpu/out}"; mkdir -p "$OUT"; : >"$OUT/status.txt"
+END=$(( $(date +%s) + ${GPU_CHECK_SECONDS:-550} ))
+left() { echo $(( END - $(date +%s) - ${1:-0} )); }  # seconds to the deadline, less a reserve
+
+stage() {  # stage NAME SECONDS CMD...: run CMD under a time limit; record status and duration
+  local name=$1 secs=$2 t0=$SECONDS rc; shift 2
+  if (( secs < 10 )); then echo "$name skipped (no time left)" | tee -a "$OUT/status.txt"; return 1; fi
+  echo; echo "=== $name (limit ${secs}s): $*"
+  timeout -k 10 "$secs" "$@"; rc=$?
+  echo "$name rc=$rc $((SECONDS - t0))s$( ((rc == 124 || rc == 137)) && echo ' TIMED OUT')" >>"$OUT/status.txt"
+  return $rc
+}
+
+main() {
+  [ -d "$P/usr" ] || echo "WARNING: no .gpu/usr: run scripts/gpu_deps.sh here and carry .gpu"
+  # The image's python3 holds torch; fall back to its venv if PATH has another python3 first.
+  PY="$(command -v python3)"; "$PY" -c 'import torch' 2>/dev/null || PY=/opt/torch/.venv/bin/python3
+  export PATH="$(dirname "$PY"):$PATH"  # its venv may hold cmake and ninja too
+  NVCC="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
+  GEN=Ninja; command -v ninja >/dev/null || GEN="Unix Makefiles"
+  # The carried Boost is a shared library: found at run time through the build RPATH that CMake
+  # writes, and through LD_LIBRARY_PATH as a second way (zlib's libz.so.1 is the machine's own).
+  export LD_LIBRARY_PATH="$P/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1
+  export MEMTRAIN_DATA="$P/data"  # read at run time; the build's default data dir is the same folder
+
+  stage env 60 bash -c "nvidia-smi; grep PRETTY /etc/os-release; nproc; free -g | head -2; df -h . | tail -1
+    '$PY' -c 'import sys,torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda,
+      torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)'
+    '$NVCC' --version | tail -2; g++ --version | head -1; cmake --version | head -1; echo generator: $GEN"
+
+  # Dependencies alone first: shows in seconds whether .gpu works with this machine's compiler.
+  stage smoke 90 bash -c "cmake -S scripts/gpu_smoke -B build-gpu-smoke -G '$GEN' -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_PREFIX_PATH='$P/usr' -DEXPECT_PREFIX='$P' -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
+    && cmake --build build-gpu-smoke -j16 && build-gpu-smoke/smoke --gtest_brief=1"
+
+  # CMAKE_POLICY_VERSION_MINIMUM only matters with CMake 4 (the image's CMake may be that new).
+  stage configure "$(left 240)" cmake -S . -B "$B" -G "$GEN" -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_PREFIX_PATH="$("$PY" -c 'import torch;print(torch.utils.cmake_prefix_path)');$P/usr/lib/x86_64-linux-gnu/cmake;$P/usr" \
+    -DMEMTRAIN_PYTHON="$PY" -DMEMTRAIN_DATA_DIR="$P/data" \
+    -DCUDAToolkit_ROOT="$(dirname "$(dirname "$NVCC")")" -DCMAKE_CUDA_COMPILER="$NVCC" \
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_RPATH="$P/usr/lib/x86_64-linux-gnu" \
+    -DCMAKE_POLICY_VERSION_MINIMUM=3.5
+
+  stage build "$(left 90)" cmake --build "$B" -j16
+
+  # Fashion-MNIST is not carried (55 MB unpacked; only .gpu/data/text travels), so its tests are
+  # excluded by name. OMP_NUM_THREADS keeps 8 parallel CPU-side tests from oversubscribing 16 cores.
+  local bench=0; [ -f scripts/bench_gpu.sh ] && bench=${BENCH_SECONDS:-150}
+  OMP_NUM_THREADS=2 stage ctest "$(left "$bench")" ctest --test-dir "$B" --output-on-failure -j8 \
+    -E '[Ff]ashion|MNIST|Mnist' --output-log "$OUT/ctest.log" ${CTEST_ARGS:-}
+
+  # Written later; writes its own results to $OUT. It gets MEMTRAIN_BUILD, MEMTRAIN_DATA and OUT.
+  if [ -f scripts/bench_gpu.sh ]; then
+    MEMTRAIN_BUILD="$B" stage bench "$(left 5)" bash scripts/bench_gpu.sh
+  fi
+
+  echo; echo "=== summary"; cat "$OUT/status.txt"
+  grep -hE 'tests passed|^\s+[0-9]+ - ' "$OUT/ctest.log" 2>/dev/null | tail -40
+  ! grep -qv ' rc=0 ' "$OUT/status.txt"  # exit status 0 only when every stage passed
+}
+
+main 2>&1 | tee "$OUT/gpu_check.log"

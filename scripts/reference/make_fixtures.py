@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""Writes the expected values that memtrain's C++ tests compare against, computed by PyTorch itself.
+
+Run by the build (tests/CMakeLists.txt) with the project venv's python:  make_fixtures.py OUT_DIR
+
+  gpt_parity.safetensors   a small GPT's weights, a batch, its logits, loss and every gradient (fp32),
+                           then the losses of 5 AdamW steps (llm.c-style golden values)
+  gpt_checkpoint.safetensors  the same GPT with dropout 0.1 under torch.utils.checkpoint (non-reentrant):
+                           loss and gradients, with the RNG seeded right before the forward
+  gpt_bf16.safetensors     the same GPT under torch.autocast("cpu", torch.bfloat16): loss and gradients
+  grad_scaler.safetensors  torch.amp.GradScaler's scale after each step for an inf/NaN injection pattern
+
+The GPT here mirrors memtrain's (models/src/gpt.cpp) operation for operation and name for name.
+"""
+import json, math, os, struct, sys
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint as tc
+
+CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+BATCH = 4
+
+
+class Attention(nn.Module):
+    def __init__(self, c, dropout):
+        super().__init__()
+        self.c_attn = nn.Linear(c["n_embd"], 3 * c["n_embd"])
+        self.c_proj = nn.Linear(c["n_embd"], c["n_embd"])
+        self.resid_drop = nn.Dropout(dropout)
+        self.n_head, self.dropout = c["n_head"], dropout
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        heads = lambda t: t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=True)
+        return self.resid_drop(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+
+
+class MLP(nn.Module):
+    def __init__(self, c, dropout):
+        super().__init__()
+        self.c_fc = nn.Linear(c["n_embd"], 4 * c["n_embd"])
+        self.c_proj = nn.Linear(4 * c["n_embd"], c["n_embd"])
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.drop(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, c, dropout):
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(c["n_embd"]), Attention(c, dropout)
+        self.ln_2, self.mlp = nn.LayerNorm(c["n_embd"]), MLP(c, dropout)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, c, dropout=0.0):
+        super().__init__()
+        self.wte = nn.Embedding(c["vocab_size"], c["n_embd"])
+        self.wpe = nn.Embedding(c["block_size"], c["n_embd"])
+        self.drop = nn.Dropout(dropout)
+        self.h = nn.ModuleList([Block(c, dropout) for _ in range(c["n_layer"])])
+        self.ln_f = nn.LayerNorm(c["n_embd"])
+
+    def forward(self, idx, targets, checkpoint=False):
+        pos = torch.arange(idx.shape[1])
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.h:
+            x = tc.checkpoint(block, x, use_reentrant=False) if checkpoint else block(x)
+        logits = F.linear(self.ln_f(x), self.wte.weight)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
+        return logits, loss
+
+
+def save(path, tensors, meta=None):
+    """safetensors: u64 header length, JSON header, raw little-endian data."""
+    header, blobs, offset = {}, [], 0
+    names = {torch.float32: "F32", torch.float64: "F64", torch.int64: "I64"}
+    for name, t in tensors.items():
+        t = t.detach().contiguous().cpu()
+        raw = t.numpy().tobytes()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    if meta:
+        header["__metadata__"] = {k: str(v) for k, v in meta.items()}
+    text = json.dumps(header).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    with open(path + ".tmp", "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+    os.replace(path + ".tmp", path)
+
+
+def make_model(dropout=0.0):
+    torch.manual_seed(0)
+    m = GPT(CFG, dropout)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "ln_" in name:
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.1)  # non-trivial LayerNorm params
+            else:
+                p.normal_(0.0, 0.1)
+    return m
+
+
+def batch():
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, CFG["vocab_size"], (BATCH, CFG["block_size"] + 1), generator=g)
+    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+
+def grads_of(model):
+    return {"grad." + n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def gpt_parity(out):
+    m = make_model()
+    x, y = batch()
+    weights = {n: p.detach().clone() for n, p in m.named_parameters()}
+    logits, loss = m(x, y)
+    loss.backward()
+    t = {**weights, "input": x, "target": y, "logits": logits, "loss": loss.reshape(1), **grads_of(m)}
+    # 5 AdamW steps on the same batch: decay on matrices only, as memtrain groups its parameters.
+    decay = [p for p in m.parameters() if p.dim() >= 2]
+    no_decay = [p for p in m.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    losses = []
+    for _ in range(5):
+        opt.zero_grad(set_to_none=True)
+        _, l = m(x, y)
+        l.backward()
+        opt.step()
+        losses.append(l.item())
+    t["adamw_losses"] = torch.tensor(losses, dtype=torch.float64)
+    save(os.path.join(out, "gpt_parity.safetensors"), t, CFG)
+
+
+def gpt_checkpoint(out):
+    m = make_model(dropout=0.1)
+    x, y = batch()
+    torch.manual_seed(1234)  # the C++ test seeds the same generator right before its forward
+    _, loss = m(x, y, checkpoint=True)
+    loss.backward()
+    save(os.path.join(out, "gpt_checkpoint.safetensors"), {"loss": loss.reshape(1), **grads_of(m)})
+
+
+def gpt_bf16(out):
+    m = make_model()
+    x, y = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, loss = m(x, y)
+    loss.backward()
+    save(os.path.join(out, "gpt_bf16.safetensors"), {"loss": loss.reshape(1).float(), **grads_of(m)})
+
+
+def grad_scaler(out):
+    """Scale after each update for: finite steps, inf at steps 3 and 4, NaN at step 9, interval 3."""
+    p = nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+    bad = {3: math.inf, 4: math.inf, 9: math.nan}
+    scales, stepped, params = [], [], []
+    for step in range(14):
+        opt.zero_grad()
+        loss = (p * torch.arange(1.0, 5.0)).sum()
+        scaler.scale(loss).backward()
+        if step in bad:
+            p.grad[1] = bad[step]
+        before = p.detach().clone()
+        scaler.step(opt)
+        scaler.update()
+        stepped.append(0 if torch.equal(before, p.detach()) else 1)
+        scales.append(scaler.get_scale())
+        params.append(p.detach().clone())
+    save(os.path.join(out, "grad_scaler.safetensors"),
+         {"scales": torch.tensor(scales, dtype=torch.float64), "stepped": torch.tensor(stepped, dtype=torch.int64),
+          "params": torch.stack(params)}, {"growth_interval": 3})
+
+
+def main():
+    out = sys.argv[1]
+    os.makedirs(out, exist_ok=True)
+    torch.set_num_threads(1)
+    gpt_parity(out)
+    gpt_checkpoint(out)
+    gpt_bf16(out)
+    grad_scaler(out)
+    print(f"fixtures written to {out} (torch {torch.__version__})")
+
+
+if __name__ == "__main__":
+    main()

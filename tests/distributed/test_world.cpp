@@ -1,0 +1,51 @@
+#include <gtest/gtest.h>
+
+#include "helpers.h"
+#include "memtrain/distributed/world.h"
+#include "memtrain/error.h"
+
+namespace memtrain {
+namespace {
+
+TEST(World, NoLauncherIsOneProcess) {
+  auto w = World::from_env(std::map<std::string, std::string>{});
+  EXPECT_EQ(w.rank, 0);
+  EXPECT_EQ(w.world_size, 1);
+  EXPECT_EQ(w.launcher, "none");
+  EXPECT_TRUE(w.is_main());
+}
+
+TEST(World, TorchrunVariables) {
+  auto w = World::from_env({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
+                            {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29501"}});
+  EXPECT_EQ(w.launcher, "torchrun");
+  EXPECT_EQ(w.rank, 3);
+  EXPECT_EQ(w.world_size, 8);
+  EXPECT_EQ(w.local_rank, 1);
+  EXPECT_EQ(w.local_world_size, 2);
+  EXPECT_EQ(w.master_addr, "10.0.0.1");
+  EXPECT_EQ(w.master_port, 29501);
+  EXPECT_FALSE(w.is_main());
+}
+
+TEST(World, SlurmAndMpiVariables) {
+  auto s = World::from_env({{"SLURM_PROCID", "2"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "0"}});
+  EXPECT_EQ(s.launcher, "slurm");
+  EXPECT_EQ(s.rank, 2);
+  auto m = World::from_env({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"},
+                            {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
+  EXPECT_EQ(m.launcher, "mpi");
+  EXPECT_EQ(m.local_rank, 1);
+}
+
+TEST(World, InconsistentValuesAreErrors) {
+  auto msg = test::error_of([] { World::from_env({{"RANK", "4"}, {"WORLD_SIZE", "4"}}); });
+  EXPECT_NE(msg.find("rank 4 is outside [0, 4)"), std::string::npos) << msg;
+  msg = test::error_of([] { World::from_env({{"RANK", "x"}, {"WORLD_SIZE", "2"}}); });
+  EXPECT_NE(msg.find("RANK='x' is not an integer"), std::string::npos) << msg;
+  msg = test::error_of([] { World::from_env({{"RANK", "0"}}); });
+  EXPECT_NE(msg.find("must be set together"), std::string::npos) << msg;
+}
+
+}  // namespace
+}  // namespace memtrain

@@ -1,0 +1,75 @@
+#include <gtest/gtest.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adamw.h>
+
+#include <numbers>
+
+#include "helpers.h"
+#include "memtrain/optim/optimizer.h"
+
+namespace memtrain {
+namespace {
+
+TEST(CosineSchedule, WarmupPeakMidpointAndFloor) {
+  CosineSchedule s({.peak = 1.0, .min = 0.1, .warmup_steps = 10, .total_steps = 110});
+  EXPECT_DOUBLE_EQ(s.at(0), 0.1);     // (0 + 1) / 10
+  EXPECT_DOUBLE_EQ(s.at(4), 0.5);
+  EXPECT_DOUBLE_EQ(s.at(10), 1.0);    // cosine starts at the peak
+  EXPECT_DOUBLE_EQ(s.at(60), 0.55);   // halfway: (peak + min) / 2
+  EXPECT_NEAR(s.at(35), 0.1 + 0.45 * (1 + std::cos(std::numbers::pi / 4)), 1e-12);
+  EXPECT_DOUBLE_EQ(s.at(110), 0.1);
+  EXPECT_DOUBLE_EQ(s.at(500), 0.1);
+}
+
+TEST(ClipGradNorm, AgreesWithLibTorchClipGradNorm) {
+  torch::manual_seed(0);
+  std::vector<torch::Tensor> a, b;
+  for (auto shape : {std::vector<int64_t>{3, 4}, {5}, {2, 2, 2}}) {
+    auto g = torch::randn(shape) * 3;
+    auto pa = torch::zeros(shape).requires_grad_(), pb = torch::zeros(shape).requires_grad_();
+    pa.mutable_grad() = g.clone();
+    pb.mutable_grad() = g.clone();
+    a.push_back(pa), b.push_back(pb);
+  }
+  auto norm = clip_grad_norm(a, 1.0).item<double>();
+  auto expected = torch::nn::utils::clip_grad_norm_(b, 1.0);
+  EXPECT_NEAR(norm, expected, 1e-5);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::allclose(a[i].grad(), b[i].grad(), 1e-5, 1e-6));
+  // clip 0: the norm is reported and nothing is scaled.
+  auto before = a[0].grad().clone();
+  EXPECT_NEAR(clip_grad_norm(a, 0).item<double>(), 1.0, 1e-4);
+  EXPECT_TRUE(torch::equal(a[0].grad(), before));
+}
+
+TEST(MakeOptimizer, DecayOnMatricesOnly) {
+  torch::nn::Linear lin(4, 3);
+  TrainOptions t;
+  t.weight_decay = 0.25;
+  auto opt = make_optimizer(t, lin->named_parameters());
+  ASSERT_EQ(opt->param_groups().size(), 2u);
+  auto& g0 = opt->param_groups()[0];
+  auto& g1 = opt->param_groups()[1];
+  ASSERT_EQ(g0.params().size(), 1u);
+  EXPECT_TRUE(g0.params()[0].is_same(lin->weight));
+  EXPECT_DOUBLE_EQ(static_cast<torch::optim::AdamWOptions&>(g0.options()).weight_decay(), 0.25);
+  EXPECT_TRUE(g1.params()[0].is_same(lin->bias));
+  EXPECT_DOUBLE_EQ(static_cast<torch::optim::AdamWOptions&>(g1.options()).weight_decay(), 0.0);
+  set_learning_rate(*opt, 0.123);
+  EXPECT_DOUBLE_EQ(g0.options().get_lr(), 0.123);
+  EXPECT_DOUBLE_EQ(g1.options().get_lr(), 0.123);
+}
+
+TEST(MakeOptimizer, StateTensorsAreAdamMoments) {
+  torch::nn::Linear lin(4, 3);
+  auto opt = make_optimizer(TrainOptions{}, lin->named_parameters());
+  lin->forward(torch::randn({2, 4})).sum().backward();
+  opt->step();
+  auto state = optimizer_state_tensors(*opt);
+  ASSERT_EQ(state.size(), 4u);  // exp_avg and exp_avg_sq for weight and bias
+  int64_t elems = 0;
+  for (const auto& s : state) elems += s.numel();
+  EXPECT_EQ(elems, 2 * (12 + 3));
+}
+
+}  // namespace
+}  // namespace memtrain

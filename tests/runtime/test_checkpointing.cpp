@@ -1,0 +1,167 @@
+#include <gtest/gtest.h>
+
+#include "helpers.h"
+#include "memtrain/checkpointing.h"
+#include "memtrain/data/safetensors.h"
+#include "memtrain/models/gpt.h"
+#include "memtrain/trainer.h"
+
+namespace memtrain {
+namespace {
+
+// The fixture GPT (scripts/reference/make_fixtures.py) with PyTorch's weights.
+std::shared_ptr<GPT> fixture_gpt(double dropout) {
+  auto ref = load_safetensors(test::fixture("gpt_parity.safetensors"));
+  GPTOptions o;
+  o.vocab_size = 64, o.block_size = 16, o.n_layer = 2, o.n_head = 2, o.n_embd = 32, o.dropout = dropout;
+  auto gpt = std::make_shared<GPT>(o);
+  std::map<std::string, torch::Tensor> weights;
+  for (const auto& item : gpt->named_parameters()) weights[item.key()] = ref.at(item.key());
+  load_module_state(*gpt, weights, "gpt_parity.safetensors");
+  return gpt;
+}
+
+struct Result {
+  double loss;
+  std::map<std::string, torch::Tensor> grads;
+};
+
+Result run(GPT& gpt, const CheckpointPolicy& policy, uint64_t seed) {
+  auto ref = load_safetensors(test::fixture("gpt_parity.safetensors"));
+  gpt.zero_grad();
+  torch::manual_seed(seed);
+  auto loss = gpt.loss(forward_with_checkpointing(gpt, ref.at("input"), policy), ref.at("target"));
+  loss.backward();
+  Result r{loss.item<double>(), {}};
+  for (const auto& item : gpt.named_parameters()) r.grads[item.key()] = item.value().grad().clone();
+  return r;
+}
+
+TEST(Checkpointing, EveryPolicyMatchesNoCheckpointingWithDropout) {
+  auto gpt = fixture_gpt(/*dropout=*/0.1);
+  const auto plain = run(*gpt, CheckpointPolicy::parse("none"), 42);
+  // Recomputations expected per backward for a 2-block GPT.
+  const std::vector<std::pair<std::string, int64_t>> policies = {{"all", 2}, {"every:2", 1}, {"attn", 2}, {"mlp", 2}};
+  for (const auto& [name, recomputes] : policies) {
+    SCOPED_TRACE(name);
+    const auto before = checkpoint_recompute_count();
+    const auto r = run(*gpt, CheckpointPolicy::parse(name), 42);
+    EXPECT_EQ(checkpoint_recompute_count() - before, recomputes);
+    // Same dropout masks (RNG restored), same arithmetic: equal to float rounding.
+    EXPECT_NEAR(r.loss, plain.loss, 1e-6);
+    for (const auto& [k, g] : plain.grads) EXPECT_LT(test::relative_error(r.grads.at(k), g), 1e-5) << k;
+  }
+}
+
+TEST(Checkpointing, MatchesTorchUtilsCheckpoint) {
+  // PyTorch's torch.utils.checkpoint (non-reentrant) on the same weights, dropout 0.1, generator seeded
+  // with 1234 right before the forward: ATen's CPU generator and dropout kernels are shared, so the
+  // masks are the same ones.
+  auto ref = load_safetensors(test::fixture("gpt_checkpoint.safetensors"));
+  auto gpt = fixture_gpt(0.1);
+  const auto r = run(*gpt, CheckpointPolicy::parse("all"), 1234);
+  EXPECT_NEAR(r.loss, ref.at("loss").item<double>(), 1e-5);
+  for (const auto& [k, g] : r.grads) EXPECT_LT(test::relative_error(g, ref.at("grad." + k)), 1e-4) << k;
+}
+
+TEST(Checkpointing, InputWithoutGradStillGivesParameterGradients) {
+  torch::manual_seed(0);
+  torch::nn::Linear lin(8, 8);
+  auto x = torch::randn({4, 8});  // raw data: requires no grad
+  auto fn = [&](const torch::Tensor& t) { return torch::tanh(lin->forward(t)); };
+  fn(x).sum().backward();
+  auto expected = lin->weight.grad().clone();
+  lin->zero_grad();
+  checkpoint(fn, x, lin->parameters()).sum().backward();
+  ASSERT_TRUE(lin->weight.grad().defined());
+  EXPECT_TRUE(torch::allclose(lin->weight.grad(), expected));
+}
+
+TEST(Checkpointing, ParameterMissingFromListIsAnError) {
+  torch::nn::Linear lin(8, 8);
+  auto x = torch::randn({4, 8}).requires_grad_();
+  auto y = checkpoint([&](const torch::Tensor& t) { return lin->forward(t); }, x, /*params=*/{});
+  auto msg = test::error_of([&] { y.sum().backward(); });
+  EXPECT_NE(msg.find("[checkpoint]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("would get no gradient"), std::string::npos) << msg;
+}
+
+TEST(Checkpointing, OffloadGivesTheSameGradients) {
+  auto gpt = fixture_gpt(0.1);
+  const auto plain = run(*gpt, CheckpointPolicy::parse("none"), 5);
+  auto policy = CheckpointPolicy::parse("all");
+  policy.offload = true;
+  const auto r = run(*gpt, policy, 5);
+  EXPECT_NEAR(r.loss, plain.loss, 1e-6);
+  for (const auto& [k, g] : plain.grads) EXPECT_LT(test::relative_error(r.grads.at(k), g), 1e-5) << k;
+}
+
+// An 8-block GPT whose activations dominate its parameters.
+Config eight_block_config(const std::string& policy) {
+  auto c = test::tiny_gpt_config(8);
+  c.model.n_embd = 64, c.model.n_head = 4, c.model.block_size = 128, c.train.micro_batch = 8;
+  c.memory.checkpoint = policy;
+  return c;
+}
+
+int64_t activation_peak(Trainer& t) {
+  t.step();
+  t.step();  // step 1: optimizer state exists before the step begins
+  return t.tracker().last()[0].activation_peak;
+}
+
+TEST(Checkpointing, AllBlocksCutsActivationPeakBySixtyPercent) {
+  Trainer none(eight_block_config("none")), all(eight_block_config("all"));
+  const auto a_none = activation_peak(none), a_all = activation_peak(all);
+  EXPECT_LT(a_all, 0.4 * a_none) << "all: " << a_all << " none: " << a_none;
+  // And the losses agree: checkpointing changes memory, not arithmetic.
+  EXPECT_NEAR(none.step().loss.item<double>(), all.step().loss.item<double>(), 1e-5);
+}
+
+TEST(Checkpointing, BudgetPolicyStaysUnderItsBudget) {
+  Trainer none(eight_block_config("none")), all(eight_block_config("all"));
+  const auto a_none = activation_peak(none), a_all = activation_peak(all);
+  const double budget_mib = (a_none + a_all) / 2.0 / (1024 * 1024);
+  Trainer budget(eight_block_config("budget:" + std::to_string(budget_mib)));
+  const auto a_budget = activation_peak(budget);
+  EXPECT_LE(a_budget, budget_mib * 1024 * 1024) << budget.checkpoint_policy().describe();
+  const auto& blocks = budget.checkpoint_policy().blocks;
+  const auto n = std::count(blocks.begin(), blocks.end(), true);
+  EXPECT_GT(n, 0);
+  EXPECT_LT(n, 8) << "a budget above the all-checkpointed peak should not need every block";
+}
+
+TEST(Checkpointing, InfeasibleBudgetNamesTheSmallestFeasible) {
+  Trainer t(eight_block_config("budget:0.01"));
+  auto msg = test::error_of([&] { t.step(); });
+  EXPECT_NE(msg.find("smallest feasible budget is budget:"), std::string::npos) << msg;
+}
+
+TEST(Checkpointing, SelectivePolicyNeedsAPart) {
+  auto c = Config::load("", {"--model.name=mlp", "--data.dataset=synthetic", "--memory.checkpoint=attn"});
+  auto msg = test::error_of([&] { Trainer t(c); });
+  EXPECT_NE(msg.find("no 'attn' part"), std::string::npos) << msg;
+}
+
+TEST(Checkpointing, CudaRngAndPinnedOffloadSkipWithoutGpu) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  auto gpt = fixture_gpt(0.1);
+  gpt->to(torch::kCUDA);
+  auto ref = load_safetensors(test::fixture("gpt_parity.safetensors"));
+  auto x = ref.at("input").to(torch::kCUDA), y = ref.at("target").to(torch::kCUDA);
+  auto grads = [&](const std::string& p, bool offload) {
+    auto policy = CheckpointPolicy::parse(p);
+    policy.offload = offload;
+    gpt->zero_grad();
+    torch::manual_seed(3);
+    auto loss = gpt->loss(forward_with_checkpointing(*gpt, x, policy), y);
+    loss.backward();
+    return gpt->wte->weight.grad().cpu().clone();
+  };
+  auto plain = grads("none", false);
+  EXPECT_LT(test::relative_error(grads("all", false), plain), 1e-5);
+  EXPECT_LT(test::relative_error(grads("all", true), plain), 1e-5);
+}
+
+}  // namespace
+}  // namespace memtrain

@@ -1,0 +1,137 @@
+#include <ATen/autocast_mode.h>
+#include <gtest/gtest.h>
+
+#include "helpers.h"
+#include "memtrain/data/safetensors.h"
+#include "memtrain/error.h"
+#include "memtrain/models/gpt.h"
+#include "memtrain/precision.h"
+#include "memtrain/trainer.h"
+
+namespace memtrain {
+namespace {
+
+TEST(Autocast, GuardEnablesNestsAndRestores) {
+  ASSERT_FALSE(at::autocast::is_autocast_enabled(c10::kCPU));
+  auto lin = torch::nn::Linear(8, 8);
+  auto x = torch::randn({2, 8});
+  {
+    AutocastGuard outer(c10::kCPU, c10::kBFloat16);
+    EXPECT_TRUE(at::autocast::is_autocast_enabled(c10::kCPU));
+    EXPECT_EQ(lin->forward(x).scalar_type(), c10::kBFloat16);
+    {
+      AutocastGuard inner(c10::kCPU, std::nullopt);  // an fp32 island
+      EXPECT_FALSE(at::autocast::is_autocast_enabled(c10::kCPU));
+      EXPECT_EQ(lin->forward(x).scalar_type(), c10::kFloat);
+    }
+    EXPECT_TRUE(at::autocast::is_autocast_enabled(c10::kCPU));
+  }
+  EXPECT_FALSE(at::autocast::is_autocast_enabled(c10::kCPU));
+  EXPECT_EQ(lin->forward(x).scalar_type(), c10::kFloat);
+}
+
+TEST(Autocast, RejectsNonHalfDtypes) {
+  EXPECT_THROW(AutocastGuard(c10::kCPU, c10::kDouble), Error);
+  EXPECT_FALSE(at::autocast::is_autocast_enabled(c10::kCPU));
+}
+
+TEST(Autocast, Fp16RefusedOnCpu) {
+  auto c = test::tiny_gpt_config();
+  c.train.precision = "fp16";
+  auto msg = test::error_of([&] { Trainer t(c); });
+  EXPECT_NE(msg.find("fp16 needs a CUDA device"), std::string::npos) << msg;
+}
+
+TEST(Autocast, Bf16MatchesPyTorchCpuAutocast) {
+  auto ref = load_safetensors(test::fixture("gpt_bf16.safetensors"));
+  auto parity = load_safetensors(test::fixture("gpt_parity.safetensors"));
+  GPTOptions o;
+  o.vocab_size = 64, o.block_size = 16, o.n_layer = 2, o.n_head = 2, o.n_embd = 32;
+  GPT gpt(o);
+  std::map<std::string, torch::Tensor> weights;
+  for (const auto& item : gpt.named_parameters()) weights[item.key()] = parity.at(item.key());
+  load_module_state(gpt, weights, "gpt_parity.safetensors");
+  torch::Tensor loss;
+  {
+    AutocastGuard autocast(c10::kCPU, c10::kBFloat16);
+    loss = gpt.loss(gpt.forward(parity.at("input")), parity.at("target"));
+  }
+  loss.backward();
+  // bf16 keeps 8 bits of mantissa: agree with PyTorch's own bf16 run to bf16 rounding.
+  EXPECT_NEAR(loss.item<double>(), ref.at("loss").item<double>(), 1e-2);
+  for (const auto& item : gpt.named_parameters()) {
+    SCOPED_TRACE(item.key());
+    EXPECT_LT(test::relative_error(item.value().grad(), ref.at("grad." + item.key())), 2e-2);
+  }
+  // ... and differ from the fp32 gradients by more than fp32 rounding: autocast really ran in bf16.
+  double max_diff = 0;
+  for (const auto& item : gpt.named_parameters())
+    max_diff = std::max(max_diff, test::relative_error(item.value().grad(), parity.at("grad." + item.key())));
+  EXPECT_GT(max_diff, 1e-4);
+}
+
+TEST(Autocast, Bf16LowersActivationPeak) {
+  auto c = test::tiny_gpt_config(4);
+  c.model.n_embd = 64, c.model.block_size = 64, c.train.micro_batch = 8;
+  auto bf = c;
+  bf.train.precision = "bf16";
+  Trainer a(c), b(bf);
+  a.step(), b.step();
+  a.step(), b.step();
+  const auto fp32 = a.tracker().last()[0].activation_peak, bf16 = b.tracker().last()[0].activation_peak;
+  EXPECT_LT(bf16, 0.9 * fp32) << bf16 << " vs " << fp32;
+}
+
+TEST(GradScaler, SameScalesAsTorchAmp) {
+  auto ref = load_safetensors(test::fixture("grad_scaler.safetensors"));
+  auto scales = ref.at("scales"), stepped = ref.at("stepped"), params = ref.at("params");
+  auto p = torch::ones({4}).requires_grad_();
+  torch::optim::SGD opt({p}, torch::optim::SGDOptions(0.1));
+  GradScaler scaler({.growth_interval = 3});
+  const std::map<int, double> bad = {{3, INFINITY}, {4, INFINITY}, {9, NAN}};
+  for (int step = 0; step < scales.size(0); ++step) {
+    SCOPED_TRACE(step);
+    opt.zero_grad();
+    auto loss = (p * torch::arange(1.0, 5.0)).sum();
+    scaler.scale(loss).backward();
+    if (bad.count(step)) {
+      torch::NoGradGuard g;
+      p.grad()[1] = bad.at(step);
+    }
+    bool did = scaler.step(opt, {p});
+    scaler.update();
+    EXPECT_EQ(did, stepped[step].item<int64_t>() == 1);
+    EXPECT_DOUBLE_EQ(scaler.current_scale(), scales[step].item<double>());
+    EXPECT_TRUE(torch::allclose(p.detach(), params[step], 1e-6, 1e-7));
+  }
+}
+
+TEST(GradScaler, UnscalesOncePerStepAcrossMicroBatches) {
+  auto p = torch::ones({2}).requires_grad_();
+  GradScaler scaler({.init_scale = 8.0});
+  for (int micro = 0; micro < 3; ++micro) scaler.scale((p * 2).sum()).backward();  // grad 3 * 2 * 8 = 48
+  scaler.unscale({p});
+  scaler.unscale({p});  // a second call in the same step does nothing
+  EXPECT_TRUE(torch::allclose(p.grad(), torch::full({2}, 6.0)));
+}
+
+TEST(GradScaler, CudaFp16SkipsWithoutGpu) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  auto c = test::tiny_gpt_config();
+  c.train.device = "cuda";
+  c.train.precision = "fp16";
+  Trainer t(c);
+  auto r = t.step();
+  EXPECT_TRUE(std::isfinite(r.loss.item<double>()));
+  EXPECT_DOUBLE_EQ(t.scaler()->current_scale(), 65536.0);
+  {
+    AutocastGuard guard(c10::kCUDA, c10::kHalf);
+    torch::nn::Linear lin(4, 4);
+    lin->to(torch::kCUDA);
+    auto y = lin->forward(torch::randn({2, 4}, torch::kCUDA));
+    EXPECT_EQ(y.scalar_type(), c10::kHalf);
+  }
+}
+
+}  // namespace
+}  // namespace memtrain
