@@ -21,7 +21,7 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainOptions& t,
     if (!p.requires_grad() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
     (p.dim() >= 2 ? decay : no_decay).push_back(p);
   }
-  if (t.optimizer == "adamw") {
+  if (t.optimizer == "adamw" || t.optimizer == "adamw_loop") {
     auto base = torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.eps);
     auto with_decay = std::make_unique<torch::optim::AdamWOptions>(base);
     with_decay->weight_decay(t.weight_decay);
@@ -30,7 +30,8 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainOptions& t,
     std::vector<torch::optim::OptimizerParamGroup> groups;
     groups.emplace_back(decay, std::move(with_decay));
     groups.emplace_back(no_decay, std::move(without));
-    return std::make_unique<torch::optim::AdamW>(std::move(groups), base);
+    if (t.optimizer == "adamw_loop") return std::make_unique<torch::optim::AdamW>(std::move(groups), base);
+    return std::make_unique<FusedAdamW>(std::move(groups), base);
   }
   if (t.optimizer == "sgd") {
     auto base = torch::optim::SGDOptions(t.lr).momentum(t.momentum);
@@ -43,7 +44,58 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainOptions& t,
     groups.emplace_back(no_decay, std::move(without));
     return std::make_unique<torch::optim::SGD>(std::move(groups), base);
   }
-  throw ConfigError("[optim] unknown optimizer '" + t.optimizer + "'; expected adamw | sgd");
+  throw ConfigError("[optim] unknown optimizer '" + t.optimizer + "'; expected adamw | adamw_loop | sgd");
+}
+
+FusedAdamW::FusedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::AdamWOptions defaults)
+    : Optimizer(std::move(groups), std::make_unique<torch::optim::AdamWOptions>(defaults)) {
+  MEMTRAIN_CHECK(!defaults.amsgrad(), Error, "[optim] FusedAdamW does not implement amsgrad");
+}
+
+torch::Tensor FusedAdamW::step(LossClosure closure) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor loss;
+  if (closure) {
+    torch::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  for (auto& group : param_groups_) {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    // One fused call per (device, dtype): the kernel takes lists of same-device, same-dtype tensors.
+    std::map<std::string, std::vector<size_t>> buckets;
+    for (size_t i = 0; i < group.params().size(); ++i) {
+      const auto& p = group.params()[i];
+      if (!p.grad().defined()) continue;
+      buckets[p.device().str() + "/" + std::string(c10::toString(p.scalar_type()))].push_back(i);
+    }
+    for (const auto& [key, idx] : buckets) {
+      std::vector<torch::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
+      for (auto i : idx) {
+        auto& p = group.params()[i];
+        auto state_key = p.unsafeGetTensorImpl();
+        auto it = state_.find(state_key);
+        if (it == state_.end()) {
+          auto s = std::make_unique<torch::optim::AdamWParamState>();
+          s->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+          s->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+          it = state_.emplace(state_key, std::move(s)).first;
+          steps_[state_key] = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat).device(p.device()));
+        }
+        auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
+        s.step(s.step() + 1);
+        params.push_back(p);
+        grads.push_back(p.grad());
+        exp_avgs.push_back(s.exp_avg());
+        exp_avg_sqs.push_back(s.exp_avg_sq());
+        steps.push_back(steps_[state_key]);
+      }
+      torch::_foreach_add_(steps, 1);  // the kernel expects the count of this step, as torch.optim does
+      const auto& [beta1, beta2] = o.betas();
+      at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, o.lr(), beta1, beta2,
+                        o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false);
+    }
+  }
+  return loss;
 }
 
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {

@@ -73,7 +73,7 @@ std::vector<Entry> entries(Config& c) {
       entry("data.path", &d.path, "text file or Fashion-MNIST folder; empty = prepared cache"),
       entry("data.val_fraction", &d.val_fraction, "fraction held out for validation, in [0, 0.5]"),
       entry("train.device", &t.device, "cpu | cuda | auto"),
-      entry("train.optimizer", &t.optimizer, "adamw | sgd"),
+      entry("train.optimizer", &t.optimizer, "adamw (fused kernel) | adamw_loop (LibTorch's per-parameter AdamW) | sgd"),
       entry("train.lr", &t.lr, "peak learning rate"),
       entry("train.min_lr", &t.min_lr, "learning rate at the end of the cosine decay"),
       entry("train.warmup_steps", &t.warmup_steps, "linear warm-up steps"),
@@ -285,7 +285,7 @@ void Config::validate() const {
   check_one_of("data.dataset", data.dataset, {"text", "fashion_mnist", "synthetic"});
   check_range("data.val_fraction", data.val_fraction, data.val_fraction >= 0 && data.val_fraction <= 0.5, "in [0, 0.5]");
   check_one_of("train.device", train.device, {"cpu", "cuda", "auto"});
-  check_one_of("train.optimizer", train.optimizer, {"adamw", "sgd"});
+  check_one_of("train.optimizer", train.optimizer, {"adamw", "adamw_loop", "sgd"});
   check_range("train.lr", train.lr, train.lr > 0, "> 0");
   check_range("train.min_lr", train.min_lr, train.min_lr >= 0 && train.min_lr <= train.lr, "in [0, train.lr]");
   check_range("train.warmup_steps", train.warmup_steps, train.warmup_steps >= 0, ">= 0");

@@ -42,17 +42,23 @@ TEST_F(GptParity, LogitsLossAndEveryGradient) {
 }
 
 TEST_F(GptParity, AdamWTrajectory) {
-  TrainOptions t;
-  t.lr = 1e-2, t.beta1 = 0.9, t.beta2 = 0.95, t.eps = 1e-8, t.weight_decay = 0.1;
-  auto opt = make_optimizer(t, gpt->named_parameters());
-  auto expected = ref.at("adamw_losses");
-  for (int64_t i = 0; i < expected.size(0); ++i) {
-    opt->zero_grad(true);
-    auto loss = gpt->loss(gpt->forward(ref.at("input")), ref.at("target"));
-    loss.backward();
-    opt->step();
-    EXPECT_NEAR(loss.item<double>(), expected[i].item<double>(), 1e-4 * std::abs(expected[i].item<double>()))
-        << "step " << i;
+  // Both AdamW implementations: the fused kernel (default) and LibTorch's per-parameter loop.
+  for (const char* name : {"adamw", "adamw_loop"}) {
+    SCOPED_TRACE(name);
+    SetUp();  // fresh weights
+    TrainOptions t;
+    t.optimizer = name;
+    t.lr = 1e-2, t.beta1 = 0.9, t.beta2 = 0.95, t.eps = 1e-8, t.weight_decay = 0.1;
+    auto opt = make_optimizer(t, gpt->named_parameters());
+    auto expected = ref.at("adamw_losses");
+    for (int64_t i = 0; i < expected.size(0); ++i) {
+      opt->zero_grad(true);
+      auto loss = gpt->loss(gpt->forward(ref.at("input")), ref.at("target"));
+      loss.backward();
+      opt->step();
+      EXPECT_NEAR(loss.item<double>(), expected[i].item<double>(), 1e-4 * std::abs(expected[i].item<double>()))
+          << "step " << i;
+    }
   }
 }
 

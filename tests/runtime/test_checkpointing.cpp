@@ -163,5 +163,24 @@ TEST(Checkpointing, CudaRngAndPinnedOffloadSkipWithoutGpu) {
   EXPECT_LT(test::relative_error(grads("all", true), plain), 1e-5);
 }
 
+TEST(Checkpointing, CudaActivationPeakDropsWithBf16Training) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  auto cuda_peak = [](const std::string& policy) {
+    auto c = eight_block_config(policy);
+    c.train.device = "cuda";
+    c.train.precision = "bf16";
+    Trainer t(c);
+    double first = t.step().loss.item<double>(), last = 0;
+    for (int i = 0; i < 5; ++i) last = t.step().loss.item<double>();
+    EXPECT_LT(last, first);
+    for (const auto& s : t.tracker().last())
+      if (s.device == "cuda:0") return s.activation_peak;
+    ADD_FAILURE() << "no cuda:0 sample";
+    return int64_t{0};
+  };
+  const auto none = cuda_peak("none"), all = cuda_peak("all");
+  EXPECT_LT(all, 0.4 * none) << "all: " << all << " none: " << none;
+}
+
 }  // namespace
 }  // namespace memtrain

@@ -38,7 +38,7 @@ struct DataConfig {
 
 struct TrainOptions {
   std::string device = "cpu";      // cpu | cuda | auto
-  std::string optimizer = "adamw"; // adamw | sgd
+  std::string optimizer = "adamw"; // adamw (fused kernel) | adamw_loop | sgd
   double lr = 1e-3;
   double min_lr = 1e-4;            // floor of the cosine schedule
   int64_t warmup_steps = 20;

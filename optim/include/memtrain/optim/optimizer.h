@@ -8,7 +8,10 @@
 #pragma once
 
 #include <torch/nn/module.h>
+#include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
+
+#include <map>
 
 #include <memory>
 #include <vector>
@@ -17,7 +20,21 @@ namespace memtrain {
 
 struct TrainOptions;
 
+// AdamW on ATen's fused multi-tensor kernel (_fused_adamw_, CPU and CUDA): one kernel per step
+// and parameter group instead of ~10 per parameter. The same arithmetic as torch.optim.AdamW (and
+// LibTorch's AdamW). State per parameter: exp_avg and exp_avg_sq (AdamWParamState, like LibTorch's)
+// plus a 0-dim fp32 step counter on the parameter's device.
+class FusedAdamW : public torch::optim::Optimizer {
+ public:
+  FusedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::AdamWOptions defaults);
+  torch::Tensor step(LossClosure closure = nullptr) override;
+
+ private:
+  std::map<const void*, torch::Tensor> steps_;  // per parameter: () fp32 step count
+};
+
 // Weight decay goes to matrices and filters (dim >= 2) only; biases, norms and other vectors get none.
+// train.optimizer: adamw (FusedAdamW) | adamw_loop (LibTorch's per-parameter AdamW) | sgd.
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainOptions& train,
                                                         const torch::OrderedDict<std::string, torch::Tensor>& params);
 

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The GPU benchmark, run by scripts/gpu_check.sh on the GPU machine: GPT-2 124M with each memory
+# technique, against a hand-written LibTorch loop and PyTorch eager, in one run. Writes
+# $OUT/techniques_gpu.md (the table, to be committed as docs/benchmarks/techniques_gpu.md).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY="$(command -v python3)"
+"$PY" scripts/bench/techniques.py --build "${MEMTRAIN_BUILD:-build-gpu}" --device cuda --python "$PY" \
+  --out "$OUT/techniques_gpu.md"
