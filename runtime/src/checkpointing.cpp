@@ -244,6 +244,10 @@ bool CheckpointPolicy::checkpoints_block(int64_t i) const {
 }
 
 torch::Tensor forward_with_checkpointing(Model& model, const torch::Tensor& input, const CheckpointPolicy& policy) {
+  return model.head(run_blocks(model, input, policy));
+}
+
+torch::Tensor run_blocks(Model& model, const torch::Tensor& input, const CheckpointPolicy& policy) {
   auto h = model.embed(input);
   const auto parts = model.part_names();
   const CheckpointOptions options{.offload = policy.offload};
@@ -266,7 +270,7 @@ torch::Tensor forward_with_checkpointing(Model& model, const torch::Tensor& inpu
     }
   }
   t_block_id = -1;
-  return model.head(h);
+  return h;
 }
 
 BlockActivationProfile profile_block_activations(Model& model, const std::function<torch::Tensor()>& loss_fn,

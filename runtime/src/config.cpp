@@ -94,6 +94,7 @@ std::vector<Entry> entries(Config& c) {
       entry("memory.track", &mem.track, "record per-step peak memory"),
       entry("memory.checkpoint", &mem.checkpoint, "none | all | every:K | attn | mlp | budget:MiB"),
       entry("memory.offload", &mem.offload, "keep checkpointed block inputs in CPU memory"),
+      entry("memory.head", &mem.head, "plain | fused | fused:ROWS (LM head + loss in chunks of ROWS tokens; the logits never exist whole)"),
       entry("dist.backend", &dist.backend, "auto | gloo | nccl"),
       entry("dist.timeout_s", &dist.timeout_s, "collective timeout in seconds"),
       entry("log.every", &l.every, "a log line every N steps"),
@@ -310,6 +311,13 @@ void Config::validate() const {
               parse_positive_suffix(p, "budget:", &v);
     MEMTRAIN_CHECK(ok, ConfigError, "[config] memory.checkpoint = '", p,
                    "' is not allowed; expected none | all | every:K (K >= 1) | attn | mlp | budget:MiB (> 0)");
+  }
+  {
+    double rows = 0;
+    const bool ok = memory.head == "plain" || memory.head == "fused" ||
+                    (parse_positive_suffix(memory.head, "fused:", &rows) && rows == static_cast<int64_t>(rows));
+    MEMTRAIN_CHECK(ok, ConfigError, "[config] memory.head = '", memory.head,
+                   "' is not allowed; expected plain | fused | fused:ROWS (rows per chunk, >= 1)");
   }
   check_one_of("dist.backend", dist.backend, {"auto", "gloo", "nccl"});
   check_range("dist.timeout_s", dist.timeout_s, dist.timeout_s >= 1, ">= 1");

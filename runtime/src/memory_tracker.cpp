@@ -1,5 +1,6 @@
 #include "memtrain/memory_tracker.h"
 
+#include <ATen/Context.h>
 #include <c10/core/CachingDeviceAllocator.h>
 
 #include <iomanip>
@@ -23,6 +24,13 @@ const char* phase_name(Phase p) {
 }
 
 namespace {
+// The CUDA caching allocator exists only once CUDA is initialised; asking it for statistics before
+// that fails with "Invalid device argument".
+c10::DeviceAllocator* cuda_allocator() {
+  at::globalContext().lazyInitDevice(c10::kCUDA);
+  return c10::getDeviceAllocator(c10::kCUDA);
+}
+
 int64_t add_unique(std::set<const void*>& seen, const torch::Tensor& t, const c10::Device& device) {
   if (!t.defined() || t.device() != device || !t.has_storage()) return 0;
   const void* key = t.storage().unsafeGetStorageImpl();
@@ -49,7 +57,7 @@ DeviceCounters read_counters(const c10::Device& device) {
     return c;
   }
   MEMTRAIN_CHECK(device.is_cuda(), Error, "[memory] unsupported device ", device.str());
-  auto stats = c10::getDeviceAllocator(c10::kCUDA)->getDeviceStats(device.index());
+  auto stats = cuda_allocator()->getDeviceStats(device.index());
   constexpr size_t kAll = 0;  // StatType::AGGREGATE; its namespace moved between versions
   c.allocated = stats.allocated_bytes[kAll].current;
   c.peak_allocated = stats.allocated_bytes[kAll].peak;
@@ -62,7 +70,7 @@ void reset_peak(const c10::Device& device) {
   if (device.is_cpu()) {
     cpu_memory::reset_peak();
   } else {
-    c10::getDeviceAllocator(c10::kCUDA)->resetPeakStats(device.index());
+    cuda_allocator()->resetPeakStats(device.index());
   }
 }
 

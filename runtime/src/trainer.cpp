@@ -13,6 +13,7 @@
 
 #include "memtrain/data/safetensors.h"
 #include "memtrain/error.h"
+#include "memtrain/fused_loss.h"
 #include "memtrain/memory.h"
 
 namespace memtrain {
@@ -78,6 +79,9 @@ void Trainer::setup() {
                    "' part (selective checkpointing needs a transformer; use all or every:K)");
   }
 
+  MEMTRAIN_CHECK(config_.memory.head == "plain" || model_->has_linear_head(), ConfigError,
+                 "[config] memory.head = fused needs a model whose head is one linear map (gpt); this model's is not");
+
   MemoryTrackerOptions mo;
   mo.rank = world_.rank;
   mo.devices.clear();
@@ -98,8 +102,15 @@ void Trainer::setup() {
 
 torch::Tensor Trainer::forward_loss(const Batch& batch) {
   AutocastGuard autocast(device_.type(), autocast_dtype(precision_));
-  auto output = forward_with_checkpointing(*model_, batch.input, policy_);
-  return model_->loss(output, batch.target);
+  auto h = run_blocks(*model_, batch.input, policy_);
+  if (config_.memory.head != "plain") {
+    auto [features, weight] = *model_->head_features(h);
+    const auto& mode = config_.memory.head;
+    const int64_t rows = mode == "fused" ? 0 : std::stoll(mode.substr(mode.find(':') + 1));  // validated by Config
+    return fused_linear_cross_entropy(features.reshape({-1, features.size(-1)}), weight, batch.target.reshape({-1}),
+                                      rows);
+  }
+  return model_->loss(model_->head(h), batch.target);
 }
 
 void Trainer::resolve_budget_policy() {
@@ -234,7 +245,7 @@ void Trainer::fit() {
               << at::get_num_threads() << " threads\n"
               << "batch:      " << t.micro_batch << " x " << t.accum_steps << " micro-batches x " << world_.world_size
               << " ranks = " << t.micro_batch * t.accum_steps * world_.world_size << " samples per step\n"
-              << "checkpoint: " << policy_.describe() << "\n"
+              << "checkpoint: " << policy_.describe() << ", head " << config_.memory.head << "\n"
               << "run folder: " << run_dir_ << "\n"
               << std::flush;
   }

@@ -3,6 +3,7 @@
 #include "helpers.h"
 #include "memtrain/checkpointing.h"
 #include "memtrain/data/safetensors.h"
+#include "memtrain/fused_loss.h"
 #include "memtrain/models/gpt.h"
 #include "memtrain/trainer.h"
 
@@ -183,6 +184,52 @@ TEST(Checkpointing, CudaActivationPeakDropsWithBf16Training) {
   };
   const auto none = cuda_peak("none"), all = cuda_peak("all");
   EXPECT_LT(all, 0.4 * none) << "all: " << all << " none: " << none;
+}
+
+}  // namespace
+}  // namespace memtrain
+
+namespace memtrain {
+namespace {
+
+TEST(FusedHead, SameLossAndGradientsAsLinearPlusCrossEntropy) {
+  // Chunks of 7 rows over 64 tokens: several chunks and a ragged last one.
+  auto gpt = fixture_gpt(0.0);
+  auto ref = load_safetensors(test::fixture("gpt_parity.safetensors"));
+  auto x = ref.at("input"), y = ref.at("target");
+  auto h = run_blocks(*gpt, x, CheckpointPolicy::parse("none"));
+  auto [features, weight] = *gpt->head_features(h);
+  auto loss = fused_linear_cross_entropy(features.reshape({-1, 32}), weight, y.reshape({-1}), /*chunk_rows=*/7);
+  loss.backward();
+  // PyTorch's own loss and gradients for the same weights and batch (plain linear + cross_entropy).
+  EXPECT_NEAR(loss.item<double>(), ref.at("loss").item<double>(), 1e-5);
+  for (const auto& item : gpt->named_parameters())
+    EXPECT_LT(test::relative_error(item.value().grad(), ref.at("grad." + item.key())), 1e-4) << item.key();
+}
+
+TEST(FusedHead, LowersTheActivationPeak) {
+  auto c = test::tiny_gpt_config(2);
+  c.model.vocab_size = 4096;  // a head that dominates, as GPT-2's 50257 does
+  c.train.micro_batch = 8;
+  auto fused = c;
+  fused.memory.head = "fused:32";  // 256 tokens in 8 chunks
+  Trainer plain(c), f(fused);
+  plain.step(), f.step();
+  auto rp = plain.step(), rf = f.step();
+  EXPECT_NEAR(rp.loss.item<double>(), rf.loss.item<double>(), 1e-4);
+  EXPECT_LT(f.tracker().last()[0].activation_peak, 0.7 * plain.tracker().last()[0].activation_peak);
+}
+
+TEST(FusedHead, ChunkModeIsValidated) {
+  EXPECT_NO_THROW(Config::load("", {"--memory.head=fused:128"}));
+  auto msg = test::error_of([] { Config::load("", {"--memory.head=fused:0"}); });
+  EXPECT_NE(msg.find("expected plain | fused | fused:ROWS"), std::string::npos) << msg;
+}
+
+TEST(FusedHead, NeedsALinearHead) {
+  auto c = Config::load("", {"--model.name=mlp", "--data.dataset=synthetic", "--memory.head=fused"});
+  auto msg = test::error_of([&] { Trainer t(c); });
+  EXPECT_NE(msg.find("memory.head = fused needs"), std::string::npos) << msg;
 }
 
 }  // namespace

@@ -51,7 +51,10 @@ struct CheckpointPolicy {
   bool budget_unresolved() const { return mode == Mode::kBudget && blocks.empty(); }
 };
 
-// head(blocks(embed(input))) with the policy applied. Under no-grad it runs plainly.
+// blocks(embed(input)) with the policy applied: the hidden state the head takes. Under no-grad it runs
+// plainly.
+torch::Tensor run_blocks(Model& model, const torch::Tensor& input, const CheckpointPolicy& policy);
+// head(run_blocks(input)).
 torch::Tensor forward_with_checkpointing(Model& model, const torch::Tensor& input, const CheckpointPolicy& policy);
 
 // Activation bytes of each block, measured while recomputing blocks in backward (every block

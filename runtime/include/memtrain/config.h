@@ -62,6 +62,7 @@ struct MemoryConfig {
   bool track = true;                // per-step peak memory, JSONL + summary
   std::string checkpoint = "none";  // none | all | every:K | attn | mlp | budget:MiB
   bool offload = false;             // keep checkpointed block inputs in (pinned) CPU memory
+  std::string head = "plain";       // plain | fused | fused:ROWS (linear + cross-entropy in chunks)
 };
 
 struct DistConfig {

@@ -11,6 +11,8 @@
 #include <torch/types.h>
 
 #include <memory>
+#include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -39,6 +41,13 @@ class Model : public torch::nn::Module {
   // The parameters block i uses (the checkpoint function passes them to autograd explicitly).
   virtual std::vector<torch::Tensor> block_parameters(int64_t i) const = 0;
   virtual torch::Tensor head(const torch::Tensor& h) = 0;
+  // For models whose head is one linear map to classes (a language model's tied output): the features
+  // fed to it and its (classes, features) weight, so the loss can be fused with the head
+  // (memory.head = fused). nullopt when the head is anything else.
+  virtual std::optional<std::pair<torch::Tensor, torch::Tensor>> head_features(const torch::Tensor& h) {
+    return std::nullopt;
+  }
+  virtual bool has_linear_head() const { return false; }
   // Mean cross-entropy of `output` (logits, last dim = classes) against integer `target`.
   virtual torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) const;
 

@@ -1,0 +1,21 @@
+// Fused linear + cross-entropy: the language-model head and its loss computed chunk by chunk, with
+// the gradients formed in the forward pass (softmax - one-hot is known there), so the (tokens x vocab)
+// logits never exist whole and nothing of them is kept for backward. For GPT-2 124M at 16 x 1024
+// tokens that is ~3.3 GB of fp32 logits, plus their log-softmax and gradient, that no block
+// checkpointing policy can reach. Same arithmetic as linear + cross_entropy (mean over tokens).
+//
+//   auto loss = memtrain::fused_linear_cross_entropy(x.reshape({-1, C}), wte->weight, target.reshape({-1}));
+#pragma once
+
+#include <torch/types.h>
+
+namespace memtrain {
+
+// x: (N, C) features, weight: (V, C), target: (N,) int64 class indices. Returns the mean loss, a 0-dim
+// fp32 tensor whose backward gives x and weight their gradients. Under autocast the matmuls run in
+// the autocast dtype and the softmax in fp32, as autocast does for linear + cross_entropy.
+// chunk_rows = 0 picks chunks of about 16 Mi logits (64 MiB in fp32; 333 tokens for GPT-2's vocabulary).
+torch::Tensor fused_linear_cross_entropy(const torch::Tensor& x, const torch::Tensor& weight,
+                                         const torch::Tensor& target, int64_t chunk_rows = 0);
+
+}  // namespace memtrain

@@ -1,0 +1,66 @@
+#include "memtrain/fused_loss.h"
+
+#include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "memtrain/error.h"
+#include "memtrain/precision.h"
+
+namespace memtrain {
+namespace {
+
+struct FusedLinearCrossEntropy : public torch::autograd::Function<FusedLinearCrossEntropy> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                                                const torch::Tensor& weight, const torch::Tensor& target,
+                                                int64_t chunk_rows) {
+    const auto dev = x.device().type();
+    // The matmul dtype: autocast's if it is on for this device, else the inputs' own.
+    const auto compute = at::autocast::is_autocast_enabled(dev) ? at::autocast::get_autocast_dtype(dev) : x.scalar_type();
+    AutocastGuard plain(dev, std::nullopt);  // casts are explicit below
+    const auto N = x.size(0), V = weight.size(0);
+    auto w = weight.to(compute);                          // (V, C)
+    auto grad_x = torch::empty(x.sizes(), x.options());   // (N, C)
+    auto grad_w = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat));  // (V, C) fp32 accumulator
+    auto loss = torch::zeros({}, x.options().dtype(torch::kFloat));
+    for (int64_t s = 0; s < N; s += chunk_rows) {
+      const auto e = std::min(N, s + chunk_rows);
+      auto xc = x.slice(0, s, e).to(compute);                        // (n, C)
+      auto tc = target.slice(0, s, e).unsqueeze(1);                  // (n, 1)
+      auto logits = torch::matmul(xc, w.t()).to(torch::kFloat);     // (n, V): the only big buffer, per chunk
+      auto lse = logits.logsumexp(1, /*keepdim=*/true);              // (n, 1)
+      loss += (lse - logits.gather(1, tc)).sum();
+      // d(mean CE)/d(logits) = (softmax - one-hot) / N, formed in place over the logits.
+      auto d = logits.sub_(lse).exp_();
+      d.scatter_add_(1, tc, torch::full_like(tc, -1.0, d.options()));
+      d.div_(static_cast<double>(N));
+      auto dc = d.to(compute);
+      grad_x.slice(0, s, e).copy_(torch::matmul(dc, w));            // (n, V) @ (V, C)
+      grad_w.add_(torch::matmul(dc.t(), xc));                        // (V, n) @ (n, C)
+    }
+    (void)V;
+    ctx->save_for_backward({grad_x, grad_w.to(weight.scalar_type())});
+    return {loss / static_cast<double>(N)};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_out) {
+    auto saved = ctx->get_saved_variables();
+    auto g = grad_out[0];
+    return {saved[0] * g.to(saved[0].dtype()), saved[1] * g.to(saved[1].dtype()), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor fused_linear_cross_entropy(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& target,
+                                         int64_t chunk_rows) {
+  MEMTRAIN_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), Error,
+                 "[loss] fused_linear_cross_entropy: expected x (N, C) and weight (V, C), got ", x.sizes(), " and ",
+                 weight.sizes());
+  MEMTRAIN_CHECK(target.dim() == 1 && target.size(0) == x.size(0), Error,
+                 "[loss] fused_linear_cross_entropy: target must be (N,) = (", x.size(0), "), got ", target.sizes());
+  if (chunk_rows <= 0) chunk_rows = std::max<int64_t>(1, (int64_t{1} << 24) / weight.size(0));
+  return FusedLinearCrossEntropy::apply(x, weight, target, chunk_rows)[0];
+}
+
+}  // namespace memtrain
