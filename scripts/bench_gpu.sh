@@ -7,3 +7,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="$(command -v python3)"
 "$PY" scripts/bench/techniques.py --build "${MEMTRAIN_BUILD:-build-gpu}" --device cuda --python "$PY" \
   --out "$OUT/techniques_gpu.md"
+
+# The example GPU config on real text (Jane Austen, byte-level), shortened: the loss must fall.
+"${MEMTRAIN_BUILD:-build-gpu}/memtrain" --config examples/configs/gpt2_124m_gpu.ini --train.steps=60 \
+  --train.warmup_steps=10 --train.eval_every=0 --log.every=10 --log.progress=lines --log.dir=/tmp/memtrain-runs \
+  --checkpoint.save_final=false 2>&1 | tee "$OUT/gpt2_124m_austen.log"
