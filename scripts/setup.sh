@@ -13,8 +13,6 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${MEMTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/memtrain}"
 TORCH_PIN="${MEMTRAIN_TORCH:-torch==2.11.0}"
 PYTHON="${MEMTRAIN_PYTHON_BASE:-python3}"
-PYVER="$("$PYTHON" -c 'import sys;print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
-VENV="$CACHE/venv-${TORCH_PIN//=/}-py$PYVER"
 DATA="$CACHE/data"
 BUILD="${MEMTRAIN_BUILD:-$ROOT/build}"
 BUILD_TYPE="${MEMTRAIN_BUILD_TYPE:-Release}"
@@ -24,6 +22,9 @@ APT_PACKAGES=(cmake ninja-build g++ ccache libboost-program-options-dev libgtest
 log() { echo "[setup] $*" >&2; }
 
 # 1. Debian packages: install only what is missing.
+# A python3 without venv/ensurepip (Debian's and Ubuntu's system python) needs python3-venv.
+command -v "$PYTHON" >/dev/null || APT_PACKAGES+=(python3)
+"$PYTHON" -c 'import ensurepip, venv' 2>/dev/null || APT_PACKAGES+=(python3-venv)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -35,7 +36,9 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-# 2. The torch virtualenv, shared by every clone on this machine.
+# 2. The torch virtualenv, shared by every clone on this machine, keyed by the torch pin and Python.
+PYVER="$("$PYTHON" -c 'import sys;print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+VENV="$CACHE/venv-${TORCH_PIN//=/}-py$PYVER"
 mkdir -p "$CACHE"
 if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.complete" ]; then
   log "creating $VENV with $TORCH_PIN (a few minutes on a fresh machine)"

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The main job: set up whatever is missing (packages, venv, data, build), then train the default config
+# (a byte-level GPT on Jane Austen, on the CPU). Extra arguments are passed to memtrain, e.g.
+#   scripts/train.sh --train.steps=100
+#   scripts/train.sh --config examples/configs/mlp_fashion_cpu.ini
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+"$ROOT/scripts/setup.sh"
+cd "$ROOT"
+config=(--config examples/configs/gpt_austen_cpu.ini)
+for a in "$@"; do [[ "$a" == --config* ]] && config=(); done
+exec "${MEMTRAIN_BUILD:-$ROOT/build}/memtrain" "${config[@]}" "$@"
