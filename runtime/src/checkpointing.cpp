@@ -51,25 +51,27 @@ void set_rng_state(const c10::Device& d, const at::Tensor& state) {
 // rather than with save_for_backward: their version counters would then forbid the in-place optimizer
 // update if a graph outlived its step, and they are leaves that autograd::grad differentiates directly.
 struct RecomputeState : torch::CustomClassHolder {
-  std::function<torch::Tensor(const torch::Tensor&)> fn;
+  MultiBlockFn fn;
   std::vector<at::Tensor> params;
   CheckpointOptions options;
   AutocastState autocast;
   at::Tensor cpu_rng;   // CPU generator state at forward
-  at::Tensor cuda_rng;  // the input device's CUDA generator state at forward (undefined on CPU)
+  at::Tensor cuda_rng;  // the inputs' CUDA generator state at forward (undefined on CPU)
   c10::Device device = c10::kCPU;
-  at::Tensor offloaded;  // the input, in CPU memory, when options.offload
-  bool input_requires_grad = false;
+  std::vector<at::Tensor> offloaded;  // the inputs, in CPU memory, when options.offload
+  std::vector<c10::Device> input_devices;
+  std::vector<bool> input_requires_grad;
   int64_t block_id = -1;
   int64_t input_bytes = 0;
 };
 
-// Every leaf that `output`'s graph would accumulate a gradient into.
-std::vector<at::Tensor> graph_leaves(const at::Tensor& output) {
+// Every leaf that the outputs' graph would accumulate a gradient into.
+std::vector<at::Tensor> graph_leaves(const std::vector<at::Tensor>& outputs) {
   std::vector<at::Tensor> leaves;
   std::vector<torch::autograd::Node*> stack;
   std::unordered_set<torch::autograd::Node*> seen;
-  if (output.grad_fn()) stack.push_back(output.grad_fn().get());
+  for (const auto& o : outputs)
+    if (o.defined() && o.grad_fn()) stack.push_back(o.grad_fn().get());
   while (!stack.empty()) {
     auto* node = stack.back();
     stack.pop_back();
@@ -82,39 +84,55 @@ std::vector<at::Tensor> graph_leaves(const at::Tensor& output) {
 }
 
 struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs,
                                                 at::TensorList params, c10::intrusive_ptr<RecomputeState> state) {
     // Runs under no-grad (Function::apply): nothing inside the block is saved.
     state->autocast = AutocastState::current();
-    state->device = input.device();
     state->cpu_rng = get_rng_state(c10::kCPU);
-    if (input.is_cuda()) state->cuda_rng = get_rng_state(input.device());
-    state->input_bytes = static_cast<int64_t>(input.numel() * input.element_size());
-    state->input_requires_grad = input.requires_grad();
+    for (const auto& x : inputs) {
+      state->input_devices.push_back(x.device());
+      state->input_requires_grad.push_back(x.requires_grad());
+      state->input_bytes += static_cast<int64_t>(x.numel() * x.element_size());
+      if (x.is_cuda() && !state->cuda_rng.defined()) {
+        state->device = x.device();
+        state->cuda_rng = get_rng_state(x.device());
+      }
+    }
     state->params = params.vec();
-    auto output = state->fn(input);
+    auto outputs = state->fn(inputs.vec());
     if (state->options.offload) {
-      state->offloaded = input.to(torch::TensorOptions().device(c10::kCPU).pinned_memory(input.is_cuda()),
-                                  /*non_blocking=*/input.is_cuda(), /*copy=*/true);
+      for (const auto& x : inputs)
+        state->offloaded.push_back(x.to(torch::TensorOptions().device(c10::kCPU).pinned_memory(x.is_cuda()),
+                                        /*non_blocking=*/x.is_cuda(), /*copy=*/true));
       ctx->save_for_backward({});
     } else {
-      ctx->save_for_backward({input});
+      ctx->save_for_backward(inputs.vec());
     }
+    // Integer outputs (indices, masks) carry no gradient.
+    std::vector<at::Tensor> non_diff;
+    for (const auto& o : outputs)
+      if (!at::isFloatingType(o.scalar_type()) && !at::isComplexType(o.scalar_type())) non_diff.push_back(o);
+    if (!non_diff.empty()) ctx->mark_non_differentiable(non_diff);
     ctx->saved_data["state"] = c10::IValue::make_capsule(state);
-    return {output};
+    return outputs;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
     auto state = c10::static_intrusive_pointer_cast<RecomputeState>(ctx->saved_data["state"].toCapsule());
     auto saved = ctx->get_saved_variables();
-    at::Tensor input = state->options.offload ? state->offloaded.to(state->device, /*non_blocking=*/true) : saved[0];
-    auto x = input.detach().requires_grad_(state->input_requires_grad);
+    const auto n_in = state->input_requires_grad.size();
+    std::vector<at::Tensor> x(n_in);
+    for (size_t i = 0; i < n_in; ++i) {
+      auto in = state->options.offload ? state->offloaded[i].to(state->input_devices[i], /*non_blocking=*/true)
+                                       : saved[i];
+      x[i] = in.detach().requires_grad_(state->input_requires_grad[i]);
+    }
 
     int64_t before = 0;
     if (g_profile != nullptr) before = read_counters(g_profile->device).allocated;
 
-    at::Tensor output;
+    std::vector<at::Tensor> outputs;
     {
       // Fork the RNG: replay the forward's state, then give the caller back its own.
       auto cpu_now = get_rng_state(c10::kCPU);
@@ -125,7 +143,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       {
         torch::AutoGradMode enable_grad(true);
         AutocastStateGuard autocast(state->autocast);
-        output = state->fn(x);
+        outputs = state->fn(x);
       }
       set_rng_state(c10::kCPU, cpu_now);
       if (state->cuda_rng.defined()) set_rng_state(state->device, cuda_now);
@@ -137,25 +155,34 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       (*g_profile->input_bytes)[state->block_id] = state->input_bytes;
     }
 
-    // Gradients for the input and every parameter that requires one; the outer engine accumulates them.
-    const auto n = static_cast<int64_t>(state->params.size());
+    // Gradients for the inputs and every parameter that requires one; the outer engine accumulates them.
+    const auto n_params = state->params.size();
     std::vector<at::Tensor> wrt;
-    std::vector<int64_t> slot;  // position in the returned list
-    if (state->input_requires_grad) wrt.push_back(x), slot.push_back(0);
-    for (int64_t i = 0; i < n; ++i)
-      if (state->params[i].requires_grad()) wrt.push_back(state->params[i]), slot.push_back(1 + i);
+    std::vector<size_t> slot;  // position in the returned list
+    for (size_t i = 0; i < n_in; ++i)
+      if (state->input_requires_grad[i]) wrt.push_back(x[i]), slot.push_back(i);
+    for (size_t i = 0; i < n_params; ++i)
+      if (state->params[i].requires_grad()) wrt.push_back(state->params[i]), slot.push_back(n_in + i);
     // A leaf the block uses but was not handed would silently get no gradient: refuse instead.
-    for (const auto& leaf : graph_leaves(output)) {
-      const bool known = leaf.is_same(x) || std::any_of(state->params.begin(), state->params.end(),
-                                                        [&](const at::Tensor& p) { return p.is_same(leaf); });
+    for (const auto& leaf : graph_leaves(outputs)) {
+      auto same = [&](const at::Tensor& t) { return t.is_same(leaf); };
+      const bool known =
+          std::any_of(x.begin(), x.end(), same) || std::any_of(state->params.begin(), state->params.end(), same);
       MEMTRAIN_CHECK(known, Error, "[checkpoint] block ", state->block_id, " uses a tensor of shape ", leaf.sizes(),
                      " that requires grad but was not passed to checkpoint() as a parameter: it would get no "
                      "gradient. Pass all of the block's parameters (Model::block_parameters).");
     }
-    torch::autograd::variable_list grads(1 + n + 1);  // input, params..., state (a non-tensor slot)
-    if (!wrt.empty() && output.requires_grad()) {
-      auto g = torch::autograd::grad({output}, wrt, {grad_outputs[0]}, /*retain_graph=*/false,
-                                     /*create_graph=*/false, /*allow_unused=*/true);
+    std::vector<at::Tensor> outs, grads_in;
+    for (size_t k = 0; k < outputs.size() && k < grad_outputs.size(); ++k) {
+      if (outputs[k].requires_grad() && grad_outputs[k].defined()) {
+        outs.push_back(outputs[k]);
+        grads_in.push_back(grad_outputs[k]);
+      }
+    }
+    torch::autograd::variable_list grads(n_in + n_params + 1);  // inputs..., params..., state (non-tensor)
+    if (!wrt.empty() && !outs.empty()) {
+      auto g = torch::autograd::grad(outs, wrt, grads_in, /*retain_graph=*/false, /*create_graph=*/false,
+                                     /*allow_unused=*/true);
       for (size_t k = 0; k < g.size(); ++k) grads[slot[k]] = g[k];
     }
     return grads;
@@ -164,16 +191,26 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
 
 }  // namespace
 
-torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)>& fn, const torch::Tensor& input,
-                         const std::vector<torch::Tensor>& params, const CheckpointOptions& options) {
-  const bool any_grad = input.requires_grad() ||
-                        std::any_of(params.begin(), params.end(), [](const auto& p) { return p.requires_grad(); });
-  if (!torch::GradMode::is_enabled() || !any_grad) return fn(input);  // nothing to save or recompute
+std::vector<torch::Tensor> checkpoint(const MultiBlockFn& fn, const std::vector<torch::Tensor>& inputs,
+                                      const std::vector<torch::Tensor>& params, const CheckpointOptions& options) {
+  auto needs = [](const torch::Tensor& t) { return t.requires_grad(); };
+  const bool any_grad =
+      std::any_of(inputs.begin(), inputs.end(), needs) || std::any_of(params.begin(), params.end(), needs);
+  if (!torch::GradMode::is_enabled() || !any_grad) return fn(inputs);  // nothing to save or recompute
+  for (size_t i = 0; i < inputs.size(); ++i)
+    MEMTRAIN_CHECK(inputs[i].defined(), Error, "[checkpoint] input ", i,
+                   " is undefined; pass only defined tensors (capture optional ones in the block function)");
   auto state = c10::make_intrusive<RecomputeState>();
   state->fn = fn;
   state->options = options;
   state->block_id = t_block_id;
-  return CheckpointFunction::apply(input, at::TensorList(params), state)[0];
+  return CheckpointFunction::apply(at::TensorList(inputs), at::TensorList(params), state);
+}
+
+torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)>& fn, const torch::Tensor& input,
+                         const std::vector<torch::Tensor>& params, const CheckpointOptions& options) {
+  MultiBlockFn multi = [fn](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{fn(in[0])}; };
+  return checkpoint(multi, std::vector<torch::Tensor>{input}, params, options)[0];
 }
 
 int64_t checkpoint_recompute_count() { return g_recomputes.load(); }

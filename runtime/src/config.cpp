@@ -87,6 +87,10 @@ std::vector<Entry> entries(Config& c) {
       entry("train.micro_batch", &t.micro_batch, "samples per micro-batch per rank"),
       entry("train.accum_steps", &t.accum_steps, "micro-batches per optimizer step"),
       entry("train.precision", &t.precision, "fp32 | bf16 | fp16 (CUDA only)"),
+      entry("train.loss_scale_init", &t.loss_scale_init, "fp16: initial loss scale"),
+      entry("train.loss_scale_growth", &t.loss_scale_growth, "fp16: scale multiplier after loss_scale_interval finite steps"),
+      entry("train.loss_scale_backoff", &t.loss_scale_backoff, "fp16: scale multiplier after an inf/NaN step"),
+      entry("train.loss_scale_interval", &t.loss_scale_interval, "fp16: finite steps before the scale grows"),
       entry("train.seed", &t.seed, "seed for weights, data order and dropout"),
       entry("train.eval_every", &t.eval_every, "evaluate every N steps; 0 = at the end only"),
       entry("train.eval_batches", &t.eval_batches, "validation batches per evaluation"),
@@ -300,6 +304,11 @@ void Config::validate() const {
   check_range("train.micro_batch", train.micro_batch, train.micro_batch >= 1, ">= 1");
   check_range("train.accum_steps", train.accum_steps, train.accum_steps >= 1, ">= 1");
   check_one_of("train.precision", train.precision, {"fp32", "bf16", "fp16"});
+  check_range("train.loss_scale_init", train.loss_scale_init, train.loss_scale_init > 0, "> 0");
+  check_range("train.loss_scale_growth", train.loss_scale_growth, train.loss_scale_growth > 1, "> 1");
+  check_range("train.loss_scale_backoff", train.loss_scale_backoff,
+              train.loss_scale_backoff > 0 && train.loss_scale_backoff < 1, "in (0, 1)");
+  check_range("train.loss_scale_interval", train.loss_scale_interval, train.loss_scale_interval >= 1, ">= 1");
   check_range("train.eval_every", train.eval_every, train.eval_every >= 0, ">= 0");
   check_range("train.eval_batches", train.eval_batches, train.eval_batches >= 1, ">= 1");
   check_range("train.threads", train.threads, train.threads >= 0, ">= 0");

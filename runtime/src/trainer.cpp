@@ -68,7 +68,13 @@ void Trainer::setup() {
   optimizer_ = make_optimizer(t, model_->named_parameters());
   schedule_ = std::make_unique<CosineSchedule>(
       CosineScheduleOptions{.peak = t.lr, .min = t.min_lr, .warmup_steps = t.warmup_steps, .total_steps = t.steps});
-  if (precision_ == Precision::kFp16) scaler_ = std::make_unique<GradScaler>(GradScalerOptions{}, device_);
+  if (precision_ == Precision::kFp16) {
+    scaler_ = std::make_unique<GradScaler>(GradScalerOptions{.init_scale = t.loss_scale_init,
+                                                             .growth_factor = t.loss_scale_growth,
+                                                             .backoff_factor = t.loss_scale_backoff,
+                                                             .growth_interval = t.loss_scale_interval},
+                                           device_);
+  }
 
   policy_ = CheckpointPolicy::parse(config_.memory.checkpoint);
   policy_.offload = config_.memory.offload;

@@ -78,6 +78,29 @@ TEST(Checkpointing, InputWithoutGradStillGivesParameterGradients) {
   EXPECT_TRUE(torch::allclose(lin->weight.grad(), expected));
 }
 
+TEST(Checkpointing, SeveralInputsAndOutputs) {
+  // Two inputs (one without grad), a differentiable output and an integer one.
+  torch::manual_seed(0);
+  torch::nn::Linear lin(6, 6);
+  auto x = torch::randn({3, 6}).requires_grad_();
+  auto scale = torch::rand({3, 1});  // data: no grad
+  MultiBlockFn fn = [&](const std::vector<torch::Tensor>& in) {
+    auto y = torch::tanh(lin->forward(in[0])) * in[1];
+    return std::vector<torch::Tensor>{y, y.argmax(1), y.pow(2)};
+  };
+  auto plain = fn({x, scale});
+  (plain[0].sum() + plain[2].sum()).backward();
+  auto gx = x.grad().clone(), gw = lin->weight.grad().clone();
+  x.mutable_grad().reset();
+  lin->zero_grad();
+  auto ck = checkpoint(fn, {x, scale}, lin->parameters());
+  EXPECT_FALSE(ck[1].requires_grad());
+  EXPECT_TRUE(torch::equal(ck[1], plain[1]));
+  (ck[0].sum() + ck[2].sum()).backward();
+  EXPECT_TRUE(torch::allclose(x.grad(), gx));
+  EXPECT_TRUE(torch::allclose(lin->weight.grad(), gw));
+}
+
 TEST(Checkpointing, ParameterMissingFromListIsAnError) {
   torch::nn::Linear lin(8, 8);
   auto x = torch::randn({4, 8}).requires_grad_();

@@ -24,6 +24,12 @@ struct CheckpointOptions {
   bool offload = false;  // keep the saved input in CPU memory (pinned on CUDA), bring it back for recompute
 };
 
+// A block of several inputs and outputs. Integer outputs are non-differentiable; inputs must be defined
+// (capture optional ones in the function).
+using MultiBlockFn = std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)>;
+std::vector<torch::Tensor> checkpoint(const MultiBlockFn& fn, const std::vector<torch::Tensor>& inputs,
+                                      const std::vector<torch::Tensor>& params, const CheckpointOptions& options = {});
+
 // Runs fn(input) under checkpointing. `params` must hold every parameter fn uses that should receive
 // a gradient; an fn that uses a parameter requiring grad which is missing from `params` would leave it
 // without gradient, and is reported as an error at recompute time.

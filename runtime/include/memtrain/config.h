@@ -52,6 +52,11 @@ struct TrainOptions {
   int64_t micro_batch = 16;        // samples per forward/backward, per rank
   int64_t accum_steps = 1;         // micro-batches per optimizer step
   std::string precision = "fp32";  // fp32 | bf16 | fp16 (fp16: CUDA only)
+  // fp16 dynamic loss scaling (torch.amp.GradScaler's defaults)
+  double loss_scale_init = 65536.0;
+  double loss_scale_growth = 2.0;
+  double loss_scale_backoff = 0.5;
+  int64_t loss_scale_interval = 2000;
   int64_t seed = 1337;
   int64_t eval_every = 50;         // 0 = only at the end
   int64_t eval_batches = 10;
