@@ -11,11 +11,14 @@
 #include "memtrain/config.h"
 #include "memtrain/data/datasets.h"
 #include "memtrain/error.h"
+#include "memtrain/memory.h"
 #include "memtrain/models/model.h"
 #include "memtrain/optim/optimizer.h"
 #include "memtrain/precision.h"
 
 int main(int argc, char** argv) {
+  // The same host-allocator settings as the memtrain binary, so that the comparison is of the loops.
+  memtrain::cpu_memory::keep_freed_memory();
   std::string path;
   std::vector<std::string> overrides;
   for (int i = 1; i < argc; ++i) {
@@ -25,6 +28,7 @@ int main(int argc, char** argv) {
   }
   try {
     auto c = memtrain::Config::load(path, overrides);
+    if (c.train.threads > 0) at::set_num_threads(static_cast<int>(c.train.threads));
     auto data = memtrain::make_dataset(c, {});
     torch::manual_seed(static_cast<uint64_t>(c.train.seed));
     auto model = memtrain::make_model(c.model, data->info());

@@ -17,6 +17,7 @@
 int main(int argc, char** argv) {
   // Before any tensor exists: every CPU allocation from here on is counted.
   memtrain::cpu_memory::install();
+  memtrain::cpu_memory::keep_freed_memory();
   std::string config_path;
   std::vector<std::string> overrides;
   bool print_only = false;

@@ -15,13 +15,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 SIZES = {  # model and batch per device: CPU small enough for 2 cores; CUDA is GPT-2 124M
-    "cpu": dict(n_layer=12, n_head=4, n_embd=128, block_size=256, vocab=256, micro_batch=8, steps=10, warmup=3),
+    # One intra-op thread on the CPU: with two threads on this 2-core machine step times vary by +-10%
+    # from run to run, more than the differences being measured.
+    "cpu": dict(n_layer=12, n_head=4, n_embd=128, block_size=256, vocab=256, micro_batch=8, steps=10, warmup=3,
+                threads=1),
     "cuda": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab=50257, micro_batch=16, steps=12, warmup=3),
 }
 
 
 def model_args(s):
-    return [f"--model.n_layer={s['n_layer']}", f"--model.n_head={s['n_head']}", f"--model.n_embd={s['n_embd']}",
+    return ([f"--train.threads={s['threads']}"] if s.get("threads") else []) + [f"--model.n_layer={s['n_layer']}", f"--model.n_head={s['n_head']}", f"--model.n_embd={s['n_embd']}",
             f"--model.block_size={s['block_size']}", f"--model.vocab_size={s['vocab']}"]
 
 
@@ -44,7 +47,8 @@ def run_memtrain(build, device, s, name, extra, workdir):
 def run_bare(build, device, s, extra):
     args = [os.path.join(build, "memtrain_bare_loop"), "--data.dataset=synthetic", f"--train.device={device}",
             f"--train.steps={s['steps']}", f"--train.micro_batch={s['micro_batch']}"] + model_args(s) + extra
-    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout.splitlines()
+    env = dict(os.environ, OMP_NUM_THREADS=str(s["threads"])) if s.get("threads") else None
+    out = subprocess.run(args, check=True, capture_output=True, text=True, env=env).stdout.splitlines()
     ms = [json.loads(l)["ms"] for l in out if '"ms"' in l]
     return {"ms": statistics.median(ms[s["warmup"]:])}
 

@@ -18,4 +18,11 @@ int64_t peak();          // highest current() since the last reset_peak()
 void reset_peak();       // peak := current
 int64_t allocations();   // number of allocations since install()
 
+// Makes glibc keep freed heap memory for reuse instead of returning it to the kernel (no trimming,
+// no mmap for large blocks). A training step frees and re-allocates the same activation sizes every
+// step; by default glibc gives large blocks back and the next step page-faults them in again, which
+// costs 10-20% of a CPU step here (perf: page faults and brk in the kernel). Process-wide and not
+// undoable: the memtrain binary calls it; an embedding application decides for itself.
+void keep_freed_memory();
+
 }  // namespace memtrain::cpu_memory
