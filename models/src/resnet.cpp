@@ -26,6 +26,18 @@ struct ShapeTrace {
 class ResidualUnit : public torch::nn::Module {
  public:
   virtual torch::Tensor forward(const torch::Tensor& x) = 0;
+
+ protected:
+  // The projection shortcut (1x1 conv + bn) when the shape changes, counted at the block's input size.
+  void add_downsample(int64_t in, int64_t out, int64_t stride, int64_t in_size, ShapeTrace& trace) {
+    if (stride == 1 && in == out) return;
+    ShapeTrace side{in_size};
+    downsample = register_module("downsample", torch::nn::Sequential(side.conv(in, out, 1, stride, 0),
+                                                                     torch::nn::BatchNorm2d(out)));
+    trace.macs += side.macs;
+  }
+  torch::Tensor shortcut(const torch::Tensor& x) { return downsample ? downsample->forward(x) : x; }
+  torch::nn::Sequential downsample{nullptr};
 };
 
 // conv3x3 - bn - relu - conv3x3 - bn, plus the shortcut; relu.
@@ -37,21 +49,15 @@ class BasicBlock : public ResidualUnit {
     bn1 = register_module("bn1", torch::nn::BatchNorm2d(out));
     conv2 = register_module("conv2", trace.conv(out, out, 3, 1, 1));
     bn2 = register_module("bn2", torch::nn::BatchNorm2d(out));
-    if (stride != 1 || in != out) {
-      ShapeTrace side{in_size};
-      downsample = register_module("downsample", torch::nn::Sequential(side.conv(in, out, 1, stride, 0),
-                                                                       torch::nn::BatchNorm2d(out)));
-      trace.macs += side.macs;
-    }
+    add_downsample(in, out, stride, in_size, trace);
   }
   torch::Tensor forward(const torch::Tensor& x) override {
     auto y = torch::relu(bn1->forward(conv1->forward(x)));
     y = bn2->forward(conv2->forward(y));
-    return torch::relu(y + (downsample ? downsample->forward(x) : x));
+    return torch::relu(y + shortcut(x));
   }
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
   torch::nn::BatchNorm2d bn1{nullptr}, bn2{nullptr};
-  torch::nn::Sequential downsample{nullptr};
 };
 
 // conv1x1 - bn - relu - conv3x3(stride) - bn - relu - conv1x1 (x4) - bn, plus the shortcut; relu.
@@ -67,22 +73,16 @@ class Bottleneck : public ResidualUnit {
     bn2 = register_module("bn2", torch::nn::BatchNorm2d(mid));
     conv3 = register_module("conv3", trace.conv(mid, out, 1, 1, 0));
     bn3 = register_module("bn3", torch::nn::BatchNorm2d(out));
-    if (stride != 1 || in != out) {
-      ShapeTrace side{in_size};
-      downsample = register_module("downsample", torch::nn::Sequential(side.conv(in, out, 1, stride, 0),
-                                                                       torch::nn::BatchNorm2d(out)));
-      trace.macs += side.macs;
-    }
+    add_downsample(in, out, stride, in_size, trace);
   }
   torch::Tensor forward(const torch::Tensor& x) override {
     auto y = torch::relu(bn1->forward(conv1->forward(x)));
     y = torch::relu(bn2->forward(conv2->forward(y)));
     y = bn3->forward(conv3->forward(y));
-    return torch::relu(y + (downsample ? downsample->forward(x) : x));
+    return torch::relu(y + shortcut(x));
   }
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv3{nullptr};
   torch::nn::BatchNorm2d bn1{nullptr}, bn2{nullptr}, bn3{nullptr};
-  torch::nn::Sequential downsample{nullptr};
 };
 
 }  // namespace detail

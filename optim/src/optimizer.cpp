@@ -12,6 +12,23 @@
 
 namespace memtrain {
 
+namespace {
+// Two parameter groups sharing `base`: one with weight decay, one without.
+template <class Options>
+std::vector<torch::optim::OptimizerParamGroup> decay_groups(const std::vector<torch::Tensor>& decay,
+                                                            const std::vector<torch::Tensor>& no_decay,
+                                                            const Options& base, double weight_decay) {
+  auto with_decay = std::make_unique<Options>(base);
+  with_decay->weight_decay(weight_decay);
+  auto without = std::make_unique<Options>(base);
+  without->weight_decay(0.0);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay, std::move(with_decay));
+  groups.emplace_back(no_decay, std::move(without));
+  return groups;
+}
+}  // namespace
+
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainOptions& t,
                                                         const torch::OrderedDict<std::string, torch::Tensor>& named) {
   std::vector<torch::Tensor> decay, no_decay;
@@ -23,26 +40,13 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainOptions& t,
   }
   if (t.optimizer == "adamw" || t.optimizer == "adamw_loop") {
     auto base = torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.eps);
-    auto with_decay = std::make_unique<torch::optim::AdamWOptions>(base);
-    with_decay->weight_decay(t.weight_decay);
-    auto without = std::make_unique<torch::optim::AdamWOptions>(base);
-    without->weight_decay(0.0);
-    std::vector<torch::optim::OptimizerParamGroup> groups;
-    groups.emplace_back(decay, std::move(with_decay));
-    groups.emplace_back(no_decay, std::move(without));
+    auto groups = decay_groups(decay, no_decay, base, t.weight_decay);
     if (t.optimizer == "adamw_loop") return std::make_unique<torch::optim::AdamW>(std::move(groups), base);
     return std::make_unique<FusedAdamW>(std::move(groups), base);
   }
   if (t.optimizer == "sgd") {
     auto base = torch::optim::SGDOptions(t.lr).momentum(t.momentum);
-    auto with_decay = std::make_unique<torch::optim::SGDOptions>(base);
-    with_decay->weight_decay(t.weight_decay);
-    auto without = std::make_unique<torch::optim::SGDOptions>(base);
-    without->weight_decay(0.0);
-    std::vector<torch::optim::OptimizerParamGroup> groups;
-    groups.emplace_back(decay, std::move(with_decay));
-    groups.emplace_back(no_decay, std::move(without));
-    return std::make_unique<torch::optim::SGD>(std::move(groups), base);
+    return std::make_unique<torch::optim::SGD>(decay_groups(decay, no_decay, base, t.weight_decay), base);
   }
   throw ConfigError("[optim] unknown optimizer '" + t.optimizer + "'; expected adamw | adamw_loop | sgd");
 }

@@ -87,6 +87,7 @@ std::vector<Entry> entries(Config& c) {
       entry("train.micro_batch", &t.micro_batch, "samples per micro-batch per rank"),
       entry("train.accum_steps", &t.accum_steps, "micro-batches per optimizer step"),
       entry("train.precision", &t.precision, "fp32 | bf16 | fp16 (CUDA only)"),
+      entry("train.param_dtype", &t.param_dtype, "fp32 | bf16 (bf16 parameters, fp32 master weights in the optimizer)"),
       entry("train.loss_scale_init", &t.loss_scale_init, "fp16: initial loss scale"),
       entry("train.loss_scale_growth", &t.loss_scale_growth, "fp16: scale multiplier after loss_scale_interval finite steps"),
       entry("train.loss_scale_backoff", &t.loss_scale_backoff, "fp16: scale multiplier after an inf/NaN step"),
@@ -304,6 +305,10 @@ void Config::validate() const {
   check_range("train.micro_batch", train.micro_batch, train.micro_batch >= 1, ">= 1");
   check_range("train.accum_steps", train.accum_steps, train.accum_steps >= 1, ">= 1");
   check_one_of("train.precision", train.precision, {"fp32", "bf16", "fp16"});
+  check_one_of("train.param_dtype", train.param_dtype, {"fp32", "bf16"});
+  MEMTRAIN_CHECK(!(train.param_dtype == "bf16" && train.precision == "fp16"), ConfigError,
+                 "[config] train.param_dtype = bf16 with train.precision = fp16 mixes two half types; use "
+                 "precision bf16 (or fp32) with bf16 parameters");
   check_range("train.loss_scale_init", train.loss_scale_init, train.loss_scale_init > 0, "> 0");
   check_range("train.loss_scale_growth", train.loss_scale_growth, train.loss_scale_growth > 1, "> 1");
   check_range("train.loss_scale_backoff", train.loss_scale_backoff,

@@ -65,7 +65,23 @@ void Trainer::setup() {
   std::set<const void*> seen;
   for (const auto& p : model_->parameters())
     if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) params_.push_back(p);
-  optimizer_ = make_optimizer(t, model_->named_parameters());
+  if (t.param_dtype == "bf16") {
+    // bf16 parameters and gradients in the model; the optimizer steps fp32 master copies, which are
+    // copied back after each step (the bf16 rounding of an update never accumulates).
+    param_dtype_ = torch::kBFloat16;
+    torch::OrderedDict<std::string, torch::Tensor> masters;
+    std::set<const void*> named;
+    for (const auto& item : model_->named_parameters()) {
+      const auto& p = item.value();
+      if (!p.requires_grad() || !named.insert(p.unsafeGetTensorImpl()).second) continue;
+      master_.push_back(p.detach().to(torch::kFloat, /*non_blocking=*/false, /*copy=*/true).requires_grad_());
+      masters.insert(item.key(), master_.back());
+    }
+    model_->to(torch::kBFloat16);  // in place: params_ now hold bf16 data
+    optimizer_ = make_optimizer(t, masters);
+  } else {
+    optimizer_ = make_optimizer(t, model_->named_parameters());
+  }
   schedule_ = std::make_unique<CosineSchedule>(
       CosineScheduleOptions{.peak = t.lr, .min = t.min_lr, .warmup_steps = t.warmup_steps, .total_steps = t.steps});
   if (precision_ == Precision::kFp16) {
@@ -98,7 +114,10 @@ void Trainer::setup() {
   if (!config_.memory.track) mo.devices.clear();
   tracker_ = std::make_unique<MemoryTracker>(mo);
   tracker_->set_resident_source([this](const c10::Device& d) {
-    return resident_bytes(params_, optimizer_state_tensors(*optimizer_), d);
+    // Master weights and their gradients are the optimizer's: counted as optimizer state.
+    auto state = optimizer_state_tensors(*optimizer_);
+    for (const auto& m : master_) state.push_back(m), state.push_back(m.grad());
+    return resident_bytes(params_, state, d);
   });
 
   auto name = config_.log.name;
@@ -119,16 +138,23 @@ torch::Tensor Trainer::forward_loss(const Batch& batch) {
   return model_->loss(model_->head(h), batch.target);
 }
 
+Batch Trainer::to_device(Batch b) const {
+  b.input = b.input.to(device_, /*non_blocking=*/true);
+  if (b.input.is_floating_point()) b.input = b.input.to(param_dtype_);
+  b.target = b.target.to(device_, /*non_blocking=*/true);
+  return b;
+}
+
 void Trainer::resolve_budget_policy() {
   // budget:MiB: one measured forward + backward with every block checkpointed gives each block's
   // activation bytes; the plan then checkpoints as few blocks as fit the budget.
-  auto batch = data_->train_batch(step_, 0, config_.train.micro_batch);
-  batch.input = batch.input.to(device_), batch.target = batch.target.to(device_);
+  auto batch = to_device(data_->train_batch(step_, 0, config_.train.micro_batch));
   auto measure_device = device_.is_cuda() ? device_ : c10::Device(c10::kCPU);
   MEMTRAIN_CHECK(device_.is_cuda() || cpu_memory::installed(), Error,
                  "[checkpoint] budget policy on CPU needs memtrain::cpu_memory::install()");
   auto profile = profile_block_activations(*model_, [&] { return forward_loss(batch); }, measure_device);
   optimizer_->zero_grad(true);
+  model_->zero_grad(true);
   policy_.blocks = plan_checkpoint_budget(profile, static_cast<int64_t>(policy_.budget_mib * 1024 * 1024));
 }
 
@@ -140,6 +166,7 @@ StepResult Trainer::step() {
   r.lr = schedule_->at(step_);
   set_learning_rate(*optimizer_, r.lr);
   optimizer_->zero_grad(/*set_to_none=*/true);
+  if (!master_.empty()) model_->zero_grad(/*set_to_none=*/true);
   tracker_->begin_step(step_);
   // Dropout draws from the default generators, reseeded from (seed, step): a step's masks do not depend
   // on what ran before it in the process (another trainer, an evaluation) and a resumed run repeats them.
@@ -148,9 +175,7 @@ StepResult Trainer::step() {
   // 1. Micro-batches: forward under autocast, loss scaled to the mean over the step, backward.
   auto loss_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat).device(device_));
   for (int64_t micro = 0; micro < t.accum_steps; ++micro) {
-    auto batch = data_->train_batch(step_, micro, t.micro_batch);
-    batch.input = batch.input.to(device_, /*non_blocking=*/true);
-    batch.target = batch.target.to(device_, /*non_blocking=*/true);
+    auto batch = to_device(data_->train_batch(step_, micro, t.micro_batch));
     auto loss = forward_loss(batch) / static_cast<double>(t.accum_steps);
     tracker_->end_phase(Phase::kForward);
     (scaler_ ? scaler_->scale(loss) : loss).backward();
@@ -158,15 +183,31 @@ StepResult Trainer::step() {
     loss_sum += loss.detach();
   }
   // 2. Reduce gradients across ranks: a single process has nothing to reduce.
-  // 3. Unscale (fp16), clip; the norm stays on the device.
-  if (scaler_) scaler_->unscale(params_);
-  r.grad_norm = clip_grad_norm(params_, t.grad_clip);
+  // 3. Unscale (fp16), clip; the norm stays on the device. With master weights, the bf16 gradients
+  //    move into the masters' fp32 gradients first (and are freed), so clipping sees full precision.
+  if (!master_.empty()) {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < master_.size(); ++i) {
+      auto& g = params_[i].mutable_grad();
+      if (!g.defined()) continue;
+      if (master_[i].grad().defined()) master_[i].mutable_grad().copy_(g);
+      else master_[i].mutable_grad() = g.to(torch::kFloat);
+      g.reset();
+    }
+  }
+  const auto& stepped = master_.empty() ? params_ : master_;
+  if (scaler_) scaler_->unscale(stepped);
+  r.grad_norm = clip_grad_norm(stepped, t.grad_clip);
   // 4. Optimizer step (skipped by the scaler on inf/NaN gradients).
   if (scaler_) {
-    r.applied = scaler_->step(*optimizer_, params_);
+    r.applied = scaler_->step(*optimizer_, stepped);
     scaler_->update();
   } else {
     optimizer_->step();
+  }
+  if (!master_.empty()) {
+    torch::NoGradGuard no_grad;
+    torch::_foreach_copy_(params_, master_);  // fp32 -> bf16, rounded once per step
   }
   tracker_->end_phase(Phase::kOptimizer);
   // 5. Memory sample of this step.
@@ -184,7 +225,8 @@ EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
   int64_t correct = 0;
   bool classifier = false;
   for (const auto& b : batches) {
-    auto x = b.input.to(device_), y = b.target.to(device_);
+    auto moved = to_device(b);
+    auto x = moved.input, y = moved.target;
     torch::Tensor out;
     {
       AutocastGuard autocast(device_.type(), autocast_dtype(precision_));

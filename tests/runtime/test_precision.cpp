@@ -82,6 +82,36 @@ TEST(Autocast, Bf16LowersActivationPeak) {
   EXPECT_LT(bf16, 0.9 * fp32) << bf16 << " vs " << fp32;
 }
 
+TEST(MasterWeights, Bf16ParametersWithFp32Masters) {
+  auto c = test::tiny_gpt_config();
+  auto half = c;
+  half.train.param_dtype = "bf16";
+  Trainer full(c), bf(half);
+  for (int i = 0; i < 5; ++i) {
+    auto a = full.step().loss.item<double>(), b = bf.step().loss.item<double>();
+    EXPECT_NEAR(b, a, 2e-2 * a) << "step " << i;  // bf16 forward: close to fp32, not equal
+  }
+  ASSERT_EQ(bf.master_weights().size(), bf.parameters().size());
+  const int64_t n = bf.model().num_parameters();
+  for (size_t i = 0; i < bf.parameters().size(); ++i) {
+    EXPECT_EQ(bf.parameters()[i].scalar_type(), torch::kBFloat16);
+    EXPECT_EQ(bf.master_weights()[i].scalar_type(), torch::kFloat);
+    // The model holds the masters rounded to bf16, exactly.
+    EXPECT_TRUE(torch::equal(bf.parameters()[i], bf.master_weights()[i].to(torch::kBFloat16)));
+  }
+  // Bytes: bf16 parameters 2N; the optimizer holds masters 4N, their gradients 4N and AdamW 8N;
+  // the model's bf16 gradients are freed once moved into the masters'.
+  const auto& s = bf.tracker().last()[0];
+  EXPECT_EQ(s.resident.params, 2 * n);
+  EXPECT_EQ(s.resident.grads, 0);
+  EXPECT_EQ(s.resident.optimizer_state, 16 * n);
+}
+
+TEST(MasterWeights, RefusesFp16WithBf16Parameters) {
+  auto msg = test::error_of([] { Config::load("", {"--train.param_dtype=bf16", "--train.precision=fp16"}); });
+  EXPECT_NE(msg.find("mixes two half types"), std::string::npos) << msg;
+}
+
 TEST(GradScaler, SameScalesAsTorchAmp) {
   auto ref = load_safetensors(test::fixture("grad_scaler.safetensors"));
   auto scales = ref.at("scales"), stepped = ref.at("stepped"), params = ref.at("params");

@@ -69,10 +69,13 @@ class Trainer {
   const std::string& run_dir() const { return run_dir_; }
   // Distinct trainable parameters (tied weights once).
   const std::vector<torch::Tensor>& parameters() const { return params_; }
+  // fp32 master copies of parameters() when train.param_dtype = bf16 (the optimizer steps these); else empty.
+  const std::vector<torch::Tensor>& master_weights() const { return master_; }
 
  private:
   void setup();
   torch::Tensor forward_loss(const Batch& batch);
+  Batch to_device(Batch batch) const;  // device, and floating inputs in the parameters' dtype
   void resolve_budget_policy();
 
   Config config_;
@@ -81,6 +84,8 @@ class Trainer {
   std::shared_ptr<Model> model_;
   std::shared_ptr<Dataset> data_;
   std::vector<torch::Tensor> params_;
+  std::vector<torch::Tensor> master_;  // param_dtype bf16: fp32 copies, same order as params_
+  c10::ScalarType param_dtype_ = torch::kFloat;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<CosineSchedule> schedule_;
   Precision precision_ = Precision::kFp32;
