@@ -29,11 +29,23 @@ missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-if ((${#missing[@]})); then
+# apt-get download (data preparation) needs package lists even when nothing is missing.
+if ((${#missing[@]})) || ! apt-cache show r-cran-janeaustenr >/dev/null 2>&1; then
   log "installing Debian packages: ${missing[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  if ((${#missing[@]})); then
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+fi
+
+# The torch wheel is a CUDA 13 build: its CMake config needs the CUDA toolkit (nvcc, headers) even on
+# machines without a GPU. The project's machines and the Dockerfile's base image have it.
+CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+if [ ! -x "$CUDA_HOME/bin/nvcc" ]; then
+  echo "[setup] the CUDA 13 toolkit was not found at $CUDA_HOME (set CUDA_HOME): find_package(Torch) for the" \
+       "cu130 torch wheel needs nvcc and the CUDA headers even to build for CPU" >&2
+  exit 1
 fi
 
 # 2. The torch virtualenv, shared by every clone on this machine, keyed by the torch pin and Python.
@@ -54,8 +66,8 @@ if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.complete" ]; then
   touch "$VENV/.complete"
 fi
 
-# 3. Data from Debian packages.
-"$VENV/bin/python" "$ROOT/scripts/prepare_data.py" "$DATA" | grep -v '^prepared .*fashion-mnist$' || true
+# 3. Data from Debian packages (a failure here fails the set-up).
+"$VENV/bin/python" "$ROOT/scripts/prepare_data.py" "$DATA" | { grep -v '^prepared .*fashion-mnist$' || true; }
 
 # 4. Configure and build.
 export CCACHE_DIR="$CACHE/ccache" CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
@@ -64,7 +76,8 @@ if [ ! -f "$BUILD/build.ninja" ]; then
   log "configuring $BUILD ($BUILD_TYPE)"
   cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE" \
     -DCMAKE_PREFIX_PATH="$("$VENV/bin/python" -c 'import torch;print(torch.utils.cmake_prefix_path)')" \
-    -DMEMTRAIN_PYTHON="$VENV/bin/python" -DMEMTRAIN_DATA_DIR="$DATA" \
+    -DMEMTRAIN_PYTHON="$VENV/bin/python" -DMEMTRAIN_DATA_DIR="$DATA" -DCUDAToolkit_ROOT="$CUDA_HOME" \
+    -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc" \
     -DCMAKE_CXX_COMPILER_LAUNCHER=ccache >"$CACHE/configure.log" 2>&1 \
     || { cat "$CACHE/configure.log" >&2; exit 1; }
 fi

@@ -65,7 +65,8 @@ class TextDataset : public Dataset {
     auto gen = batch_generator(seed_, step, 0);
     const int64_t global = batch_size * shard_.world * accum_;
     const int64_t first = (micro * shard_.world + shard_.rank) * batch_size;
-    auto starts = torch::randint(0, train_.size(0) - block_ - 1, {global}, gen, torch::kLong)
+    // A window needs block_ + 1 bytes: starts in [0, n - block_ - 1], randint's high is exclusive.
+    auto starts = torch::randint(0, train_.size(0) - block_, {global}, gen, torch::kLong)
                       .slice(0, first, first + batch_size);
     return windows(train_, starts);
   }

@@ -1,6 +1,10 @@
 #include "memtrain/data/safetensors.h"
 
+#include <fcntl.h>
+#include <unistd.h>
 #include <zlib.h>
+
+#include <cerrno>
 
 #include <cstring>
 #include <filesystem>
@@ -20,52 +24,94 @@ const std::map<std::string, c10::ScalarType>& dtypes() {
   return m;
 }
 
-uint32_t crc_of(const std::string& bytes) {
-  return static_cast<uint32_t>(crc32(0L, reinterpret_cast<const Bytef*>(bytes.data()), static_cast<uInt>(bytes.size())));
+std::string crc_of(const std::string& bytes) {
+  // crc32_z takes a size_t length: files over 4 GiB are covered whole.
+  return std::to_string(crc32_z(0L, reinterpret_cast<const Bytef*>(bytes.data()), bytes.size()));
 }
 
 }  // namespace
 
+void write_file_atomically(const std::string& path, const std::string& bytes) {
+  const auto tmp = path + ".tmp";
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  MEMTRAIN_CHECK(fd >= 0, Error, "[io] cannot write '", tmp, "': ", std::strerror(errno));
+  size_t done = 0;
+  while (done < bytes.size()) {
+    auto n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = errno;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      throw Error(detail::concat("[io] writing '", tmp, "' failed after ", done, " of ", bytes.size(),
+                                 " bytes: ", std::strerror(err), "; '", path, "' is untouched"));
+    }
+    done += static_cast<size_t>(n);
+  }
+  // On disk before the rename, so that a crash leaves either the old file or the whole new one.
+  const bool synced = ::fsync(fd) == 0;
+  const bool closed = ::close(fd) == 0;
+  if (!synced || !closed) {
+    ::unlink(tmp.c_str());
+    throw Error(detail::concat("[io] flushing '", tmp, "' failed: ", std::strerror(errno), "; '", path, "' is untouched"));
+  }
+  std::filesystem::rename(tmp, path);
+  auto dir = std::filesystem::path(path).parent_path();
+  int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (dfd >= 0) ::fsync(dfd), ::close(dfd);  // the rename itself; best effort
+}
+
 std::map<std::string, torch::Tensor> load_safetensors(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   MEMTRAIN_CHECK(in.good(), DataError, "[safetensors] cannot open '", path, "'");
-  const auto file_size = std::filesystem::file_size(path);
+  const uint64_t file_size = std::filesystem::file_size(path);
   uint64_t header_len = 0;
   in.read(reinterpret_cast<char*>(&header_len), 8);
-  MEMTRAIN_CHECK(in.good() && header_len > 1 && 8 + header_len <= file_size, DataError, "[safetensors] ", path,
-                 ": corrupt header length ", header_len, " for a file of ", file_size, " bytes");
+  MEMTRAIN_CHECK(in.good() && file_size >= 8 && header_len > 1 && header_len <= file_size - 8, DataError,
+                 "[safetensors] ", path, ": corrupt header length ", header_len, " for a file of ", file_size, " bytes");
   std::string header(header_len, '\0');
   in.read(header.data(), static_cast<std::streamsize>(header_len));
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(header);
-  } catch (const std::exception& e) {
-    throw DataError(detail::concat("[safetensors] ", path, ": header is not valid JSON (", e.what(), ")"));
-  }
   const uint64_t data_len = file_size - 8 - header_len;
   std::string data(data_len, '\0');
   in.read(data.data(), static_cast<std::streamsize>(data_len));
-  MEMTRAIN_CHECK(in.good() || in.eof(), DataError, "[safetensors] ", path, ": short read");
-  if (j.contains("__metadata__") && j["__metadata__"].contains("crc32")) {
-    auto expected = j["__metadata__"]["crc32"].get<std::string>();
-    auto actual = std::to_string(crc_of(data));
-    MEMTRAIN_CHECK(expected == actual, DataError, "[safetensors] ", path, ": checksum mismatch (expected crc32 ",
-                   expected, ", got ", actual, "): the file is corrupt");
-  }
+  MEMTRAIN_CHECK(static_cast<uint64_t>(in.gcount()) == data_len, DataError, "[safetensors] ", path, ": short read (",
+                 in.gcount(), " of ", data_len, " data bytes)");
   std::map<std::string, torch::Tensor> out;
-  for (auto& [name, v] : j.items()) {
-    if (name == "__metadata__") continue;
-    auto dt = dtypes().find(v.at("dtype").get<std::string>());
-    MEMTRAIN_CHECK(dt != dtypes().end(), DataError, "[safetensors] ", path, ": tensor '", name, "' has unsupported dtype ",
-                   v.at("dtype").get<std::string>());
-    std::vector<int64_t> shape = v.at("shape").get<std::vector<int64_t>>();
-    auto range = v.at("data_offsets").get<std::vector<uint64_t>>();
-    auto t = torch::empty(shape, torch::TensorOptions().dtype(dt->second));
-    const uint64_t nbytes = t.numel() * t.element_size();
-    MEMTRAIN_CHECK(range.size() == 2 && range[1] - range[0] == nbytes && range[1] <= data_len, DataError,
-                   "[safetensors] ", path, ": tensor '", name, "' byte range does not match its shape");
-    std::memcpy(t.data_ptr(), data.data() + range[0], nbytes);
-    out.emplace(name, t);
+  std::string current = "<header>";
+  try {
+    auto j = nlohmann::json::parse(header);
+    MEMTRAIN_CHECK(j.is_object(), DataError, "[safetensors] ", path, ": header is not a JSON object");
+    if (j.contains("__metadata__") && j["__metadata__"].contains("crc32")) {
+      auto expected = j["__metadata__"]["crc32"].get<std::string>();
+      auto actual = crc_of(data);
+      MEMTRAIN_CHECK(expected == actual, DataError, "[safetensors] ", path, ": checksum mismatch (expected crc32 ",
+                     expected, ", got ", actual, "): the file is corrupt");
+    }
+    for (auto& [name, v] : j.items()) {
+      if (name == "__metadata__") continue;
+      current = name;
+      auto dt = dtypes().find(v.at("dtype").get<std::string>());
+      MEMTRAIN_CHECK(dt != dtypes().end(), DataError, "[safetensors] ", path, ": tensor '", name,
+                     "' has unsupported dtype ", v.at("dtype").get<std::string>());
+      auto shape = v.at("shape").get<std::vector<int64_t>>();
+      auto range = v.at("data_offsets").get<std::vector<uint64_t>>();
+      uint64_t numel = 1;
+      for (auto d : shape) {
+        MEMTRAIN_CHECK(d >= 0 && (d == 0 || numel <= data_len / static_cast<uint64_t>(d)), DataError, "[safetensors] ",
+                       path, ": tensor '", name, "' has an impossible shape ", c10::IntArrayRef(shape));
+        numel *= static_cast<uint64_t>(d);
+      }
+      const uint64_t nbytes = numel * c10::elementSize(dt->second);
+      MEMTRAIN_CHECK(range.size() == 2 && range[0] <= range[1] && range[1] <= data_len && range[1] - range[0] == nbytes,
+                     DataError, "[safetensors] ", path, ": tensor '", name, "' claims bytes [",
+                     range.empty() ? 0 : range[0], ", ", range.size() < 2 ? 0 : range[1], ") of ", data_len,
+                     "; its shape needs ", nbytes);
+      auto t = torch::empty(shape, torch::TensorOptions().dtype(dt->second));
+      std::memcpy(t.data_ptr(), data.data() + range[0], nbytes);
+      out.emplace(name, t);
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw DataError(detail::concat("[safetensors] ", path, ": malformed header at '", current, "': ", e.what()));
   }
   return out;
 }
@@ -85,21 +131,15 @@ void save_safetensors(const std::string& path, const std::map<std::string, torch
     header[name] = {{"dtype", dtype}, {"shape", t.sizes().vec()}, {"data_offsets", {begin, data.size()}}};
   }
   auto meta = nlohmann::json(metadata);
-  meta["crc32"] = std::to_string(crc_of(data));
+  meta["crc32"] = crc_of(data);
   header["__metadata__"] = meta;
   auto text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // keep the data 8-byte aligned
   const uint64_t len = text.size();
-  const auto tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    MEMTRAIN_CHECK(out.good(), Error, "[safetensors] cannot write '", tmp, "'");
-    out.write(reinterpret_cast<const char*>(&len), 8);
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    out.write(data.data(), static_cast<std::streamsize>(data.size()));
-    MEMTRAIN_CHECK(out.good(), Error, "[safetensors] write to '", tmp, "' failed (disk full?)");
-  }
-  std::filesystem::rename(tmp, path);  // atomic: a crash leaves the old file, never half a new one
+  std::string bytes(reinterpret_cast<const char*>(&len), 8);
+  bytes += text;
+  bytes += data;
+  write_file_atomically(path, bytes);
 }
 
 }  // namespace memtrain

@@ -11,6 +11,12 @@
 
 namespace memtrain {
 
+namespace detail {
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
+  return at::linear(x, weight, bias.defined() ? std::optional<torch::Tensor>(bias) : std::nullopt);
+}
+}  // namespace detail
+
 torch::Tensor Model::block(int64_t i, const torch::Tensor& h) {
   auto x = h;
   for (size_t p = 0; p < part_names().size(); ++p) x = block_part(i, p, x);

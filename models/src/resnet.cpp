@@ -137,7 +137,7 @@ torch::Tensor ResNet::block_part(int64_t i, size_t, const torch::Tensor& h) { re
 
 std::vector<torch::Tensor> ResNet::block_parameters(int64_t i) const { return blocks_[i]->parameters(); }
 
-torch::Tensor ResNet::head(const torch::Tensor& h) { return fc_->forward(h.mean({2, 3})); }
+torch::Tensor ResNet::head(const torch::Tensor& h) { return detail::linear(h.mean({2, 3}), fc_->weight, fc_->bias); }
 
 std::string ResNet::describe() const {
   std::ostringstream os;

@@ -1,5 +1,6 @@
 #include "memtrain/checkpointing.h"
 
+#include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -46,6 +47,16 @@ void set_rng_state(const c10::Device& d, const at::Tensor& state) {
   std::lock_guard<std::mutex> lock(g.mutex());
   g.set_state(state);
 }
+
+// Turns the autocast weight-cast cache off for a scope.
+class AutocastCacheOff {
+ public:
+  AutocastCacheOff() : prev_(at::autocast::is_autocast_cache_enabled()) { at::autocast::set_autocast_cache_enabled(false); }
+  ~AutocastCacheOff() { at::autocast::set_autocast_cache_enabled(prev_); }
+
+ private:
+  bool prev_;
+};
 
 // What the recompute needs, kept in the autograd context as a capsule. The parameters are held here
 // rather than with save_for_backward: their version counters would then forbid the in-place optimizer
@@ -99,7 +110,13 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       }
     }
     state->params = params.vec();
-    auto outputs = state->fn(inputs.vec());
+    std::vector<at::Tensor> outputs;
+    {
+      // No autocast weight-cast cache here: a copy cast under no-grad has no grad_fn, and a recompute
+      // that found it in the cache would leave the weight without gradient.
+      AutocastCacheOff no_cache;
+      outputs = state->fn(inputs.vec());
+    }
     if (state->options.offload) {
       for (const auto& x : inputs)
         state->offloaded.push_back(x.to(torch::TensorOptions().device(c10::kCPU).pinned_memory(x.is_cuda()),
@@ -143,6 +160,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       {
         torch::AutoGradMode enable_grad(true);
         AutocastStateGuard autocast(state->autocast);
+        AutocastCacheOff no_cache;
         outputs = state->fn(x);
       }
       set_rng_state(c10::kCPU, cpu_now);
@@ -200,11 +218,18 @@ std::vector<torch::Tensor> checkpoint(const MultiBlockFn& fn, const std::vector<
   for (size_t i = 0; i < inputs.size(); ++i)
     MEMTRAIN_CHECK(inputs[i].defined(), Error, "[checkpoint] input ", i,
                    " is undefined; pass only defined tensors (capture optional ones in the block function)");
+  // Each tensor once: a parameter listed twice (tied weights) or also passed as an input would get its
+  // gradient returned, and accumulated, twice.
+  std::vector<torch::Tensor> unique;
+  std::unordered_set<const void*> seen;
+  for (const auto& x : inputs) seen.insert(x.unsafeGetTensorImpl());
+  for (const auto& p : params)
+    if (seen.insert(p.unsafeGetTensorImpl()).second) unique.push_back(p);
   auto state = c10::make_intrusive<RecomputeState>();
   state->fn = fn;
   state->options = options;
   state->block_id = t_block_id;
-  return CheckpointFunction::apply(at::TensorList(inputs), at::TensorList(params), state);
+  return CheckpointFunction::apply(at::TensorList(inputs), at::TensorList(unique), state);
 }
 
 torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)>& fn, const torch::Tensor& input,
@@ -237,8 +262,8 @@ CheckpointPolicy CheckpointPolicy::parse(const std::string& text) {
   } else if (text.rfind("every:", 0) == 0) {
     p.mode = Mode::kEvery;
     double k = number_after("every:");
-    MEMTRAIN_CHECK(k == static_cast<int64_t>(k), ConfigError, "[checkpoint] memory.checkpoint = '", text,
-                   "': K must be a whole number");
+    MEMTRAIN_CHECK(k <= 1e9 && k == std::floor(k), ConfigError, "[checkpoint] memory.checkpoint = '", text,
+                   "': K must be a whole number in [1, 1e9]");
     p.every = static_cast<int64_t>(k);
   } else if (text.rfind("budget:", 0) == 0) {
     p.mode = Mode::kBudget;

@@ -1,9 +1,12 @@
 #include "memtrain/config.h"
 
 #include <algorithm>
+#include <cmath>
 #include <boost/program_options.hpp>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
+#include <limits>
 #include <functional>
 #include <map>
 #include <sstream>
@@ -28,6 +31,8 @@ std::string show_value(const T& v) {
   std::ostringstream os;
   if constexpr (std::is_same_v<T, bool>) {
     os << (v ? "true" : "false");
+  } else if constexpr (std::is_floating_point_v<T>) {
+    os << std::setprecision(std::numeric_limits<T>::max_digits10) << v;  // reads back to the same value
   } else {
     os << v;
   }
@@ -58,10 +63,10 @@ std::vector<Entry> entries(Config& c) {
   return {
       entry("model.name", &m.name, "gpt | resnet | mlp"),
       entry("model.preset", &m.preset, "gpt size: custom | tiny | gpt2 | gpt2-medium | gpt2-large | gpt2-xl"),
-      entry("model.n_layer", &m.n_layer, "gpt: transformer blocks"),
-      entry("model.n_head", &m.n_head, "gpt: attention heads"),
-      entry("model.n_embd", &m.n_embd, "gpt: embedding width"),
-      entry("model.block_size", &m.block_size, "gpt: context length in tokens"),
+      entry("model.n_layer", &m.n_layer, "gpt: transformer blocks (preset = custom only)"),
+      entry("model.n_head", &m.n_head, "gpt: attention heads (preset = custom only)"),
+      entry("model.n_embd", &m.n_embd, "gpt: embedding width (preset = custom only)"),
+      entry("model.block_size", &m.block_size, "gpt: context length in tokens (preset = custom only)"),
       entry("model.vocab_size", &m.vocab_size, "gpt: vocabulary; 0 = from the data"),
       entry("model.dropout", &m.dropout, "dropout probability"),
       entry("model.bias", &m.bias, "gpt: biases in Linear and LayerNorm"),
@@ -214,6 +219,9 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
       po::store(po::parse_config_file(in, desc, /*allow_unregistered=*/false), vm);
     } catch (const po::unknown_option& e) {
       auto key = e.get_option_name();
+      MEMTRAIN_CHECK(key.find('.') != std::string::npos, ConfigError, "[config] ", at(key), ": key '", key,
+                     "' is outside any section; put it under one of [model] [data] [train] [memory] [dist] [log] "
+                     "[checkpoint]");
       throw ConfigError(detail::concat("[config] ", at(key), ": unknown key '", key.substr(key.find('.') + 1),
                                        "' in section [", key.substr(0, key.find('.')), "]",
                                        known_keys_hint(all, key)));
@@ -231,7 +239,20 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   } catch (const po::error& e) {
     throw ConfigError(detail::concat("[config] ", e.what()));
   }
-  c.validate();
+  try {
+    c.validate();
+  } catch (const ConfigError& e) {
+    // Say where the offending key was set: the command line, the file's line, or the default.
+    std::string msg = e.what();
+    const auto begin = std::string("[config] ").size();
+    const auto key = msg.substr(begin, msg.find(' ', begin) - begin);
+    auto on_cmdline = std::any_of(overrides.begin(), overrides.end(),
+                                  [&](const std::string& o) { return o.rfind("--" + key, 0) == 0; });
+    auto where = path.empty() ? std::map<std::string, Location>{} : scan_ini(path);
+    if (on_cmdline) msg += " (set on the command line)";
+    else if (where.count(key)) msg += detail::concat(" (set at ", path, ":", where[key].line, ")");
+    throw ConfigError(msg);
+  }
   return c;
 }
 
@@ -247,6 +268,14 @@ void check_one_of(const std::string& key, const std::string& value, std::initial
 template <class T>
 void check_range(const std::string& key, T value, bool ok, const char* allowed) {
   MEMTRAIN_CHECK(ok, ConfigError, "[config] ", key, " = ", value, " is out of range: expected ", allowed);
+}
+
+// "prefix:K" with K a whole number in [1, 1e9].
+bool parse_count_suffix(const std::string& s, const std::string& prefix) {
+  if (s.rfind(prefix, 0) != 0) return false;
+  const auto digits = s.substr(prefix.size());
+  if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) return false;
+  return std::stoll(digits) >= 1;
 }
 
 bool parse_positive_suffix(const std::string& s, const std::string& prefix, double* out) {
@@ -320,16 +349,13 @@ void Config::validate() const {
   {
     const auto& p = memory.checkpoint;
     double v = 0;
-    bool ok = p == "none" || p == "all" || p == "attn" || p == "mlp" ||
-              (parse_positive_suffix(p, "every:", &v) && v == static_cast<int64_t>(v)) ||
-              parse_positive_suffix(p, "budget:", &v);
+    bool ok = p == "none" || p == "all" || p == "attn" || p == "mlp" || parse_count_suffix(p, "every:") ||
+              (parse_positive_suffix(p, "budget:", &v) && std::isfinite(v));
     MEMTRAIN_CHECK(ok, ConfigError, "[config] memory.checkpoint = '", p,
                    "' is not allowed; expected none | all | every:K (K >= 1) | attn | mlp | budget:MiB (> 0)");
   }
   {
-    double rows = 0;
-    const bool ok = memory.head == "plain" || memory.head == "fused" ||
-                    (parse_positive_suffix(memory.head, "fused:", &rows) && rows == static_cast<int64_t>(rows));
+    const bool ok = memory.head == "plain" || memory.head == "fused" || parse_count_suffix(memory.head, "fused:");
     MEMTRAIN_CHECK(ok, ConfigError, "[config] memory.head = '", memory.head,
                    "' is not allowed; expected plain | fused | fused:ROWS (rows per chunk, >= 1)");
   }

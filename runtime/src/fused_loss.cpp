@@ -19,7 +19,7 @@ struct FusedLinearCrossEntropy : public torch::autograd::Function<FusedLinearCro
     AutocastGuard plain(dev, std::nullopt);  // casts are explicit below
     const auto N = x.size(0), V = weight.size(0);
     auto w = weight.to(compute);                          // (V, C)
-    auto grad_x = torch::empty(x.sizes(), x.options());   // (N, C)
+    auto grad_x = torch::empty(x.sizes(), x.options().dtype(torch::kFloat));  // (N, C) fp32
     auto grad_w = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat));  // (V, C) fp32 accumulator
     auto loss = torch::zeros({}, x.options().dtype(torch::kFloat));
     for (int64_t s = 0; s < N; s += chunk_rows) {
@@ -29,16 +29,18 @@ struct FusedLinearCrossEntropy : public torch::autograd::Function<FusedLinearCro
       auto logits = torch::matmul(xc, w.t()).to(torch::kFloat);     // (n, V): the only big buffer, per chunk
       auto lse = logits.logsumexp(1, /*keepdim=*/true);              // (n, 1)
       loss += (lse - logits.gather(1, tc)).sum();
-      // d(mean CE)/d(logits) = (softmax - one-hot) / N, formed in place over the logits.
+      // d(sum CE)/d(logits) = softmax - one-hot, formed in place over the logits. Kept in [-1, 1] for the
+      // low-precision matmuls; the 1/N of the mean is applied to the fp32 results (1/N before an fp16
+      // cast would flush most entries to zero: softmax/N is ~1e-9 for GPT-2 at 16k tokens).
       auto d = logits.sub_(lse).exp_();
       d.scatter_add_(1, tc, torch::full_like(tc, -1.0, d.options()));
-      d.div_(static_cast<double>(N));
       auto dc = d.to(compute);
-      grad_x.slice(0, s, e).copy_(torch::matmul(dc, w));            // (n, V) @ (V, C)
-      grad_w.add_(torch::matmul(dc.t(), xc));                        // (V, n) @ (n, C)
+      grad_x.slice(0, s, e).copy_(torch::matmul(dc, w));            // (n, V) @ (V, C), into fp32
+      grad_w.add_(torch::matmul(dc.t(), xc));                        // (V, n) @ (n, C), accumulated in fp32
     }
     (void)V;
-    ctx->save_for_backward({grad_x, grad_w.to(weight.scalar_type())});
+    const double inv_n = 1.0 / static_cast<double>(N);
+    ctx->save_for_backward({grad_x.mul_(inv_n).to(x.scalar_type()), grad_w.mul_(inv_n).to(weight.scalar_type())});
     return {loss / static_cast<double>(N)};
   }
 

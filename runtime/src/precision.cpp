@@ -117,6 +117,9 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer, const std::vector<torc
     optimizer.step();
     return true;
   }
+  // As torch.amp: a second step() before update() would step on gradients of a finished step.
+  MEMTRAIN_CHECK(!stepped_, Error, "[precision] GradScaler::step() called twice without update() in between");
+  stepped_ = true;
   unscale(params);
   const bool finite = found_inf_.item<float>() == 0.0f;  // the one host sync, as in torch.amp
   if (finite) optimizer.step();
@@ -128,6 +131,7 @@ void GradScaler::update() {
   at::_amp_update_scale_(scale_, growth_tracker_, found_inf_, options_.growth_factor, options_.backoff_factor,
                          options_.growth_interval);
   unscaled_ = false;
+  stepped_ = false;
 }
 
 double GradScaler::current_scale() const { return options_.enabled ? scale_.item<double>() : 1.0; }

@@ -38,7 +38,7 @@ std::shared_ptr<Dataset> dataset_for(const Config& c, const World& w) {
 }  // namespace
 
 Trainer::Trainer(const Config& config, const World& world) : config_(config), world_(world) {
-  if (config_.train.threads > 0) at::set_num_threads(static_cast<int>(config_.train.threads));
+  if (config_.train.threads > 0) at::set_num_threads(static_cast<int>(config_.train.threads));  // before data
   data_ = dataset_for(config_, world_);
   torch::manual_seed(static_cast<uint64_t>(config_.train.seed));  // weights depend on the seed alone
   model_ = make_model(config_.model, data_->info());
@@ -53,6 +53,7 @@ Trainer::Trainer(const Config& config, std::shared_ptr<Model> model, std::shared
 
 void Trainer::setup() {
   const auto& t = config_.train;
+  if (t.threads > 0) at::set_num_threads(static_cast<int>(t.threads));
   MEMTRAIN_CHECK(world_.world_size == 1, Error, "[dist] WORLD_SIZE=", world_.world_size,
                  ": this build trains in a single process; multi-process training (ZeRO over c10d) is not "
                  "implemented yet");
@@ -77,7 +78,11 @@ void Trainer::setup() {
       master_.push_back(p.detach().to(torch::kFloat, /*non_blocking=*/false, /*copy=*/true).requires_grad_());
       masters.insert(item.key(), master_.back());
     }
-    model_->to(torch::kBFloat16);  // in place: params_ now hold bf16 data
+    // Floating parameters and buffers only (Module::to(dtype) would also turn BatchNorm's int64 step
+    // counter into bf16).
+    for (auto& p : model_->parameters()) p.set_data(p.data().to(torch::kBFloat16));
+    for (auto& b : model_->buffers())
+      if (b.is_floating_point()) b.set_data(b.data().to(torch::kBFloat16));
     optimizer_ = make_optimizer(t, masters);
   } else {
     optimizer_ = make_optimizer(t, model_->named_parameters());
@@ -138,6 +143,18 @@ torch::Tensor Trainer::forward_loss(const Batch& batch) {
   return model_->loss(model_->head(h), batch.target);
 }
 
+void Trainer::move_grads_to_masters() {
+  if (master_.empty()) return;
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < master_.size(); ++i) {
+    auto& g = params_[i].mutable_grad();
+    if (!g.defined()) continue;
+    if (master_[i].grad().defined()) master_[i].mutable_grad().add_(g);
+    else master_[i].mutable_grad() = g.to(torch::kFloat);
+    g.reset();  // the bf16 gradient is freed: the next micro-batch starts from zero
+  }
+}
+
 Batch Trainer::to_device(Batch b) const {
   b.input = b.input.to(device_, /*non_blocking=*/true);
   if (b.input.is_floating_point()) b.input = b.input.to(param_dtype_);
@@ -179,22 +196,12 @@ StepResult Trainer::step() {
     auto loss = forward_loss(batch) / static_cast<double>(t.accum_steps);
     tracker_->end_phase(Phase::kForward);
     (scaler_ ? scaler_->scale(loss) : loss).backward();
+    move_grads_to_masters();  // bf16 parameters: accumulate in fp32, not across micro-batches in bf16
     tracker_->end_phase(Phase::kBackward);
     loss_sum += loss.detach();
   }
   // 2. Reduce gradients across ranks: a single process has nothing to reduce.
-  // 3. Unscale (fp16), clip; the norm stays on the device. With master weights, the bf16 gradients
-  //    move into the masters' fp32 gradients first (and are freed), so clipping sees full precision.
-  if (!master_.empty()) {
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < master_.size(); ++i) {
-      auto& g = params_[i].mutable_grad();
-      if (!g.defined()) continue;
-      if (master_[i].grad().defined()) master_[i].mutable_grad().copy_(g);
-      else master_[i].mutable_grad() = g.to(torch::kFloat);
-      g.reset();
-    }
-  }
+  // 3. Unscale (fp16), clip; the norm stays on the device (fp32 master gradients when there are masters).
   const auto& stepped = master_.empty() ? params_ : master_;
   if (scaler_) scaler_->unscale(stepped);
   r.grad_norm = clip_grad_norm(stepped, t.grad_clip);
@@ -241,6 +248,7 @@ EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
     e.samples += n;
   }
   model_->train();
+  e.loss = std::numeric_limits<double>::quiet_NaN();  // no held-out data (val_fraction = 0)
   if (e.samples > 0) {
     e.loss = loss_sum / static_cast<double>(e.samples);
     if (classifier) e.accuracy = static_cast<double>(correct) / static_cast<double>(e.samples);
@@ -267,15 +275,7 @@ std::string si(double v) {
   return os.str();
 }
 
-void write_text(const std::string& path, const std::string& text) {
-  const auto tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    MEMTRAIN_CHECK(out.good(), Error, "[trainer] cannot write ", tmp);
-    out << text;
-  }
-  fs::rename(tmp, path);
-}
+void write_text(const std::string& path, const std::string& text) { write_file_atomically(path, text); }
 
 }  // namespace
 

@@ -153,7 +153,7 @@ def main():
     base = results["none (fp32)"]  # without the baseline nothing below means anything: let it raise
     # budget: halfway between none and all, so the plan must mix checkpointed and kept blocks.
     if "checkpoint all" in results and not a.quick:
-        budget = (base["act"] + results["checkpoint all"]["act"]) / 2 / 2**20
+        budget = round((base["act"] + results["checkpoint all"]["act"]) / 2 / 2**20)  # whole MiB: what runs is what is checked
         label = f"checkpoint budget:{budget:.0f} MiB"
         r = guarded(label, failures, run_memtrain, a.build, a.device, s, "budget",
                     [f"--memory.checkpoint=budget:{budget:.0f}"], work)

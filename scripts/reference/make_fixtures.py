@@ -105,6 +105,35 @@ def gpt_bf16(out):
     save(os.path.join(out, "gpt_bf16.safetensors"), {"loss": loss.reshape(1).float(), **grads_of(m)})
 
 
+def gpt_master(out):
+    """bf16 parameters with fp32 master weights: 3 AdamW steps on the masters, copied back each step."""
+    m = make_model()
+    x, y = batch()
+    names = [n for n, _ in m.named_parameters()]
+    masters = [p.detach().clone().float().requires_grad_() for p in m.parameters()]
+    m = m.to(torch.bfloat16)
+    decay = [mp for mp in masters if mp.dim() >= 2]
+    no_decay = [mp for mp in masters if mp.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    losses = []
+    for _ in range(3):
+        m.zero_grad(set_to_none=True)
+        _, loss = m(x, y)
+        loss.backward()
+        for mp, p in zip(masters, m.parameters()):
+            mp.grad = p.grad.float()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for mp, p in zip(masters, m.parameters()):
+                p.copy_(mp)
+        losses.append(loss.item())
+    t = {"master." + n: mp for n, mp in zip(names, masters)}
+    t["losses"] = torch.tensor(losses, dtype=torch.float64)
+    save(os.path.join(out, "gpt_master.safetensors"), t)
+
+
 def grad_scaler(out):
     """Scale after each update for: finite steps, inf at steps 3 and 4, NaN at step 9, interval 3."""
     p = nn.Parameter(torch.ones(4))
@@ -136,6 +165,7 @@ def main():
     gpt_parity(out)
     gpt_checkpoint(out)
     gpt_bf16(out)
+    gpt_master(out)
     grad_scaler(out)
     print(f"fixtures written to {out} (torch {torch.__version__})")
 

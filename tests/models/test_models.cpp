@@ -19,11 +19,8 @@ TEST(GPT, Gpt2SmallHasThePublishedParameterCount) {
   EXPECT_EQ(gpt_formula(50257, 1024, 12, 768), 124439808);
 }
 
-TEST(GPT, LargerPresetsFollowTheFormula) {
-  // Published sizes (350M/774M/1.5B) from the same formula, without allocating them.
-  EXPECT_EQ(gpt_formula(50257, 1024, 24, 1024), 354823168);
-  EXPECT_EQ(gpt_formula(50257, 1024, 36, 1280), 774030080);
-  EXPECT_EQ(gpt_formula(50257, 1024, 48, 1600), 1557611200);
+TEST(GPT, LargerPresetsHaveThePublishedShapes) {
+  // GPT-2 medium / large / XL: 24x16x1024, 36x20x1280, 48x25x1600 (Radford et al. 2019, table 2).
   auto m = GPTOptions::preset("gpt2-medium"), l = GPTOptions::preset("gpt2-large"), xl = GPTOptions::preset("gpt2-xl");
   EXPECT_EQ(std::make_tuple(m.n_layer, m.n_head, m.n_embd), std::make_tuple(24L, 16L, 1024L));
   EXPECT_EQ(std::make_tuple(l.n_layer, l.n_head, l.n_embd), std::make_tuple(36L, 20L, 1280L));
@@ -52,13 +49,12 @@ TEST(GPT, ShapesBlocksAndFlops) {
 }
 
 TEST(GPT, Gpt2FlopsPerToken) {
-  // nanoGPT's estimate for GPT-2 124M at T = 1024: 6 * 123,653,376 + 12 * 12 * 768 * 1024.
+  // nanoGPT's estimate_mfu: 6 N + 12 L C T per token, N without the position embedding.
   GPTOptions o = GPTOptions::preset("gpt2");
-  o.n_layer = 1;  // cheap to build; the formula is checked at full size below by arithmetic
+  o.n_layer = 1;  // cheap to build: a 1-layer GPT-2-width model
   GPT one(o);
   const double n1 = static_cast<double>(gpt_formula(50257, 1024, 1, 768) - 1024 * 768);
   EXPECT_DOUBLE_EQ(one.train_flops_per_token(), 6 * n1 + 12.0 * 1 * 768 * 1024);
-  EXPECT_DOUBLE_EQ(6.0 * 123653376 + 12.0 * 12 * 768 * 1024, 855166464.0);
 }
 
 TEST(ResNet, PublishedParameterCounts) {

@@ -7,7 +7,10 @@
 // The recompute restores the forward's RNG state (CPU, and CUDA when the input is on a GPU) and its
 // autocast state, so dropout masks and dtypes match. Parameters are passed to autograd explicitly and
 // their gradients come from torch::autograd::grad, so each parameter's gradient is accumulated
-// exactly once by the outer backward (hooks fire normally; no reentrant-backward pitfalls).
+// exactly once by the outer backward (no reentrant-backward pitfalls). Caveats: a tensor pre-hook
+// registered on a parameter (Tensor::register_hook) also runs during the recompute's inner grad(), so it
+// fires twice per backward; and a BatchNorm inside a checkpointed block updates its running statistics
+// twice per step (forward and recompute), as with torch.utils.checkpoint.
 #pragma once
 
 #include <torch/types.h>

@@ -97,6 +97,7 @@ class GradScaler {
   torch::Tensor growth_tracker_;  // () int32: finite steps since the last change
   torch::Tensor found_inf_;       // () fp32: 1 if this step's gradients had inf/NaN
   bool unscaled_ = false;
+  bool stepped_ = false;
 };
 
 }  // namespace memtrain

@@ -75,7 +75,8 @@ class Trainer {
  private:
   void setup();
   torch::Tensor forward_loss(const Batch& batch);
-  Batch to_device(Batch batch) const;  // device, and floating inputs in the parameters' dtype
+  Batch to_device(Batch batch) const;
+  void move_grads_to_masters();  // device, and floating inputs in the parameters' dtype
   void resolve_budget_policy();
 
   Config config_;

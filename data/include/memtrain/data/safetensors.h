@@ -12,6 +12,9 @@
 namespace memtrain {
 
 std::map<std::string, torch::Tensor> load_safetensors(const std::string& path);
+// Writes `bytes` to path.tmp, fsyncs it and renames it over `path`: a crash or a full disk leaves the
+// old file (or none), never a half-written one. Throws Error naming the file on failure.
+void write_file_atomically(const std::string& path, const std::string& bytes);
 void save_safetensors(const std::string& path, const std::map<std::string, torch::Tensor>& tensors,
                       const std::map<std::string, std::string>& metadata = {});
 

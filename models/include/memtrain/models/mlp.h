@@ -21,10 +21,10 @@ class MLP : public Model {
   torch::Tensor embed(const torch::Tensor& x) override { return x.flatten(1); }
   int64_t num_blocks() const override { return static_cast<int64_t>(layers_.size()); }
   torch::Tensor block_part(int64_t i, size_t, const torch::Tensor& h) override {
-    return torch::relu(layers_[i]->forward(h));
+    return torch::relu(detail::linear(h, layers_[i]->weight, layers_[i]->bias));
   }
   std::vector<torch::Tensor> block_parameters(int64_t i) const override { return layers_[i]->parameters(); }
-  torch::Tensor head(const torch::Tensor& h) override { return out_->forward(h); }
+  torch::Tensor head(const torch::Tensor& h) override { return detail::linear(h, out_->weight, out_->bias); }
   double train_flops_per_sample() const override;
   std::string describe() const override;
 

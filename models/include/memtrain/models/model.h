@@ -63,4 +63,12 @@ class Model : public torch::nn::Module {
 
 std::shared_ptr<Model> make_model(const ModelConfig& config, const DataInfo& data);
 
+namespace detail {
+// x @ W^T + b through at::linear, as Python's nn.Linear does. LibTorch's torch::nn::Linear::forward
+// (torch::nn::functional::linear) runs matmul and then a separate `+= bias` for inputs of more than two
+// dimensions: one more kernel and memory pass per layer, and in bf16 a second rounding, so its results
+// differ from PyTorch's.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias = {});
+}  // namespace detail
+
 }  // namespace memtrain
