@@ -117,10 +117,16 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       AutocastCacheOff no_cache;
       outputs = state->fn(inputs.vec());
     }
-    if (state->options.offload) {
+    // Offloading moves device inputs to pinned host memory; inputs already in CPU memory stay as they are
+    // (a copy would only double them).
+    const bool offload = state->options.offload &&
+                         std::any_of(inputs.begin(), inputs.end(), [](const at::Tensor& x) { return x.is_cuda(); });
+    state->options.offload = offload;
+    if (offload) {
       for (const auto& x : inputs)
-        state->offloaded.push_back(x.to(torch::TensorOptions().device(c10::kCPU).pinned_memory(x.is_cuda()),
-                                        /*non_blocking=*/x.is_cuda(), /*copy=*/true));
+        state->offloaded.push_back(x.is_cuda() ? x.to(torch::TensorOptions().device(c10::kCPU).pinned_memory(true),
+                                                      /*non_blocking=*/true, /*copy=*/true)
+                                               : x);
       ctx->save_for_backward({});
     } else {
       ctx->save_for_backward(inputs.vec());

@@ -24,7 +24,7 @@ namespace memtrain {
 class Model;
 
 struct CheckpointOptions {
-  bool offload = false;  // keep the saved input in CPU memory (pinned on CUDA), bring it back for recompute
+  bool offload = false;  // keep saved CUDA inputs in pinned CPU memory, bring them back for recompute (no-op on CPU)
 };
 
 // A block of several inputs and outputs. Integer outputs are non-differentiable; inputs must be defined
