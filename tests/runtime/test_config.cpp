@@ -46,6 +46,25 @@ TEST(Config, ResolvedConfigRoundTrips) {
   EXPECT_EQ(back.to_ini().substr(back.to_ini().find('[')), c.to_ini().substr(c.to_ini().find('[')));
 }
 
+TEST(Config, DoublesRoundTripToTheLastBit) {
+  test::TempDir dir;
+  auto c = Config::load("", {"--train.lr=0.00012345678901234567", "--train.eps=1e-11"});
+  auto back = Config::load(dir.file("r.ini", c.to_ini()));
+  EXPECT_EQ(back.train.lr, c.train.lr);  // exact, not approximately
+  EXPECT_EQ(back.train.eps, 1e-11);
+}
+
+TEST(Config, InvalidValueSaysWhereItWasSet) {
+  test::TempDir dir;
+  auto path = dir.file("v.ini", "[train]\n\nprecision = fp8\n");
+  auto msg = error_of([&] { Config::load(path); });
+  EXPECT_NE(msg.find("(set at " + path + ":3)"), std::string::npos) << msg;
+  msg = error_of([&] { Config::load("", {"--train.steps=0"}); });
+  EXPECT_NE(msg.find("(set on the command line)"), std::string::npos) << msg;
+  msg = error_of([&] { Config::load(dir.file("s.ini", "steps = 3\n")); });
+  EXPECT_NE(msg.find("outside any section"), std::string::npos) << msg;
+}
+
 TEST(Config, UnknownKeyNamesFileLineKeyAndSuggestion) {
   TempDir dir;
   auto path = dir.file("bad.ini", "[model]\nname = gpt\n\n[train]\nlrr = 0.1\n");
