@@ -60,6 +60,14 @@ def batch():
     return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
 
 
+def adamw(params):
+    """AdamW with decay on matrices only, as memtrain groups its parameters (optim/src/optimizer.cpp)."""
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+
+
 def grads_of(model):
     return {"grad." + n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -71,11 +79,8 @@ def gpt_parity(out):
     logits, loss = m(x, y)
     loss.backward()
     t = {**weights, "input": x, "target": y, "logits": logits, "loss": loss.reshape(1), **grads_of(m)}
-    # 5 AdamW steps on the same batch: decay on matrices only, as memtrain groups its parameters.
-    decay = [p for p in m.parameters() if p.dim() >= 2]
-    no_decay = [p for p in m.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    # 5 AdamW steps on the same batch.
+    opt = adamw(list(m.parameters()))
     losses = []
     for _ in range(5):
         opt.zero_grad(set_to_none=True)
@@ -112,10 +117,7 @@ def gpt_master(out):
     names = [n for n, _ in m.named_parameters()]
     masters = [p.detach().clone().float().requires_grad_() for p in m.parameters()]
     m = m.to(torch.bfloat16)
-    decay = [mp for mp in masters if mp.dim() >= 2]
-    no_decay = [mp for mp in masters if mp.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    opt = adamw(masters)
     losses = []
     for _ in range(3):
         m.zero_grad(set_to_none=True)
