@@ -247,17 +247,10 @@ torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)
 int64_t checkpoint_recompute_count() { return g_recomputes.load(); }
 
 CheckpointPolicy CheckpointPolicy::parse(const std::string& text) {
+  // The one grammar of memory.checkpoint: Config::validate calls this too.
   CheckpointPolicy p;
-  auto number_after = [&](const std::string& prefix) {
-    try {
-      size_t used = 0;
-      double v = std::stod(text.substr(prefix.size()), &used);
-      if (used == text.size() - prefix.size() && v > 0) return v;
-    } catch (...) {
-    }
-    throw ConfigError(detail::concat("[checkpoint] memory.checkpoint = '", text, "': expected a positive number after '",
-                                     prefix, "'"));
-  };
+  const std::string allowed = "expected none | all | every:K (whole K >= 1) | attn | mlp | budget:MiB (> 0)";
+  auto bad = [&] { return ConfigError("[config] memory.checkpoint = '" + text + "' is not allowed; " + allowed); };
   if (text == "none") {
     p.mode = Mode::kNone;
   } else if (text == "all") {
@@ -267,16 +260,22 @@ CheckpointPolicy CheckpointPolicy::parse(const std::string& text) {
     p.part = text;
   } else if (text.rfind("every:", 0) == 0) {
     p.mode = Mode::kEvery;
-    double k = number_after("every:");
-    MEMTRAIN_CHECK(k <= 1e9 && k == std::floor(k), ConfigError, "[checkpoint] memory.checkpoint = '", text,
-                   "': K must be a whole number in [1, 1e9]");
-    p.every = static_cast<int64_t>(k);
+    const auto digits = text.substr(6);
+    if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) throw bad();
+    p.every = std::stoll(digits);
+    if (p.every < 1) throw bad();
   } else if (text.rfind("budget:", 0) == 0) {
     p.mode = Mode::kBudget;
-    p.budget_mib = number_after("budget:");
+    try {
+      size_t used = 0;
+      p.budget_mib = std::stod(text.substr(7), &used);
+      if (used != text.size() - 7) throw bad();
+    } catch (const std::logic_error&) {  // stod: not a number, or out of range
+      throw bad();
+    }
+    if (!(p.budget_mib > 0) || !std::isfinite(p.budget_mib)) throw bad();
   } else {
-    throw ConfigError("[checkpoint] memory.checkpoint = '" + text +
-                      "' is not allowed; expected none | all | every:K | attn | mlp | budget:MiB");
+    throw bad();
   }
   return p;
 }

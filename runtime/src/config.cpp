@@ -1,7 +1,6 @@
 #include "memtrain/config.h"
 
 #include <algorithm>
-#include <cmath>
 #include <boost/program_options.hpp>
 #include <filesystem>
 #include <fstream>
@@ -11,7 +10,9 @@
 #include <map>
 #include <sstream>
 
+#include "memtrain/checkpointing.h"
 #include "memtrain/error.h"
+#include "memtrain/fused_loss.h"
 
 namespace po = boost::program_options;
 
@@ -270,24 +271,6 @@ void check_range(const std::string& key, T value, bool ok, const char* allowed) 
   MEMTRAIN_CHECK(ok, ConfigError, "[config] ", key, " = ", value, " is out of range: expected ", allowed);
 }
 
-// "prefix:K" with K a whole number in [1, 1e9].
-bool parse_count_suffix(const std::string& s, const std::string& prefix) {
-  if (s.rfind(prefix, 0) != 0) return false;
-  const auto digits = s.substr(prefix.size());
-  if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) return false;
-  return std::stoll(digits) >= 1;
-}
-
-bool parse_positive_suffix(const std::string& s, const std::string& prefix, double* out) {
-  if (s.rfind(prefix, 0) != 0) return false;
-  try {
-    size_t used = 0;
-    *out = std::stod(s.substr(prefix.size()), &used);
-    return used == s.size() - prefix.size() && *out > 0;
-  } catch (...) {
-    return false;
-  }
-}
 }  // namespace
 
 void Config::validate() const {
@@ -346,19 +329,8 @@ void Config::validate() const {
   check_range("train.eval_every", train.eval_every, train.eval_every >= 0, ">= 0");
   check_range("train.eval_batches", train.eval_batches, train.eval_batches >= 1, ">= 1");
   check_range("train.threads", train.threads, train.threads >= 0, ">= 0");
-  {
-    const auto& p = memory.checkpoint;
-    double v = 0;
-    bool ok = p == "none" || p == "all" || p == "attn" || p == "mlp" || parse_count_suffix(p, "every:") ||
-              (parse_positive_suffix(p, "budget:", &v) && std::isfinite(v));
-    MEMTRAIN_CHECK(ok, ConfigError, "[config] memory.checkpoint = '", p,
-                   "' is not allowed; expected none | all | every:K (K >= 1) | attn | mlp | budget:MiB (> 0)");
-  }
-  {
-    const bool ok = memory.head == "plain" || memory.head == "fused" || parse_count_suffix(memory.head, "fused:");
-    MEMTRAIN_CHECK(ok, ConfigError, "[config] memory.head = '", memory.head,
-                   "' is not allowed; expected plain | fused | fused:ROWS (rows per chunk, >= 1)");
-  }
+  CheckpointPolicy::parse(memory.checkpoint);
+  parse_head_rows(memory.head);
   check_one_of("dist.backend", dist.backend, {"auto", "gloo", "nccl"});
   check_range("dist.timeout_s", dist.timeout_s, dist.timeout_s >= 1, ">= 1");
   check_range("log.every", log.every, log.every >= 1, ">= 1");

@@ -38,7 +38,6 @@ std::shared_ptr<Dataset> dataset_for(const Config& c, const World& w) {
 }  // namespace
 
 Trainer::Trainer(const Config& config, const World& world) : config_(config), world_(world) {
-  if (config_.train.threads > 0) at::set_num_threads(static_cast<int>(config_.train.threads));  // before data
   data_ = dataset_for(config_, world_);
   torch::manual_seed(static_cast<uint64_t>(config_.train.seed));  // weights depend on the seed alone
   model_ = make_model(config_.model, data_->info());
@@ -64,19 +63,19 @@ void Trainer::setup() {
   model_->train();
 
   std::set<const void*> seen;
-  for (const auto& p : model_->parameters())
-    if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) params_.push_back(p);
+  std::vector<std::string> names;  // of params_, in the same order
+  for (const auto& item : model_->named_parameters()) {
+    const auto& p = item.value();
+    if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) params_.push_back(p), names.push_back(item.key());
+  }
   if (t.param_dtype == "bf16") {
     // bf16 parameters and gradients in the model; the optimizer steps fp32 master copies, which are
     // copied back after each step (the bf16 rounding of an update never accumulates).
     param_dtype_ = torch::kBFloat16;
     torch::OrderedDict<std::string, torch::Tensor> masters;
-    std::set<const void*> named;
-    for (const auto& item : model_->named_parameters()) {
-      const auto& p = item.value();
-      if (!p.requires_grad() || !named.insert(p.unsafeGetTensorImpl()).second) continue;
-      master_.push_back(p.detach().to(torch::kFloat, /*non_blocking=*/false, /*copy=*/true).requires_grad_());
-      masters.insert(item.key(), master_.back());
+    for (size_t i = 0; i < params_.size(); ++i) {
+      master_.push_back(params_[i].detach().to(torch::kFloat, /*non_blocking=*/false, /*copy=*/true).requires_grad_());
+      masters.insert(names[i], master_.back());
     }
     // Floating parameters and buffers only (Module::to(dtype) would also turn BatchNorm's int64 step
     // counter into bf16).
@@ -106,7 +105,8 @@ void Trainer::setup() {
                    "' part (selective checkpointing needs a transformer; use all or every:K)");
   }
 
-  MEMTRAIN_CHECK(config_.memory.head == "plain" || model_->has_linear_head(), ConfigError,
+  head_rows_ = parse_head_rows(config_.memory.head);
+  MEMTRAIN_CHECK(head_rows_ < 0 || model_->has_linear_head(), ConfigError,
                  "[config] memory.head = fused needs a model whose head is one linear map (gpt); this model's is not");
 
   MemoryTrackerOptions mo;
@@ -133,12 +133,10 @@ void Trainer::setup() {
 torch::Tensor Trainer::forward_loss(const Batch& batch) {
   AutocastGuard autocast(device_.type(), autocast_dtype(precision_));
   auto h = run_blocks(*model_, batch.input, policy_);
-  if (config_.memory.head != "plain") {
+  if (head_rows_ >= 0) {
     auto [features, weight] = *model_->head_features(h);
-    const auto& mode = config_.memory.head;
-    const int64_t rows = mode == "fused" ? 0 : std::stoll(mode.substr(mode.find(':') + 1));  // validated by Config
     return fused_linear_cross_entropy(features.reshape({-1, features.size(-1)}), weight, batch.target.reshape({-1}),
-                                      rows);
+                                      head_rows_);
   }
   return model_->loss(model_->head(h), batch.target);
 }
@@ -275,8 +273,6 @@ std::string si(double v) {
   return os.str();
 }
 
-void write_text(const std::string& path, const std::string& text) { write_file_atomically(path, text); }
-
 }  // namespace
 
 void Trainer::fit() {
@@ -286,7 +282,7 @@ void Trainer::fit() {
   fs::create_directories(run_dir_);
   if (main) {
     std::cout << config_.to_ini() << "\n";
-    write_text((fs::path(run_dir_) / "config.ini").string(), config_.to_ini());
+    write_file_atomically((fs::path(run_dir_) / "config.ini").string(), config_.to_ini());
     std::cout << "model:      " << model_->describe() << "\n"
               << "data:       " << data_->describe() << "\n"
               << "device:     " << device_.str() << ", precision " << precision_name(precision_) << ", "
@@ -381,7 +377,7 @@ void Trainer::fit() {
       save_weights(path);
       std::cout << "saved weights to " << path << "\n";
     }
-    write_text((fs::path(run_dir_) / "summary.json").string(), summary.dump(2) + "\n");
+    write_file_atomically((fs::path(run_dir_) / "summary.json").string(), summary.dump(2) + "\n");
   }
 }
 

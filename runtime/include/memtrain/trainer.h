@@ -92,6 +92,7 @@ class Trainer {
   Precision precision_ = Precision::kFp32;
   std::unique_ptr<GradScaler> scaler_;
   CheckpointPolicy policy_;
+  int64_t head_rows_ = -1;  // memory.head: -1 plain, 0 fused (automatic chunks), > 0 rows per chunk
   std::unique_ptr<MemoryTracker> tracker_;
   std::string run_dir_;
   int64_t step_ = 0;
