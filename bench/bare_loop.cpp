@@ -8,13 +8,11 @@
 #include <chrono>
 #include <iostream>
 
-#include "memtrain/config.h"
-#include "memtrain/data/datasets.h"
-#include "memtrain/error.h"
-#include "memtrain/memory.h"
-#include "memtrain/models/model.h"
-#include "memtrain/optim/optimizer.h"
-#include "memtrain/precision.h"
+#include "memtrain/core/config.h"
+#include "memtrain/core/cpu_memory.h"
+#include "memtrain/core/error.h"
+#include "memtrain/runtime/factories.h"
+#include "memtrain/runtime/precision.h"
 
 int main(int argc, char** argv) {
   // The same host-allocator settings as the memtrain binary, so that the comparison is of the loops.
@@ -34,7 +32,7 @@ int main(int argc, char** argv) {
     auto model = memtrain::make_model(c.model, data->info());
     const c10::Device device = c.train.device == "cuda" ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
     model->to(device);
-    auto opt = memtrain::make_optimizer(c.train, model->named_parameters());
+    auto opt = memtrain::make_optimizer(memtrain::optimizer_options(c.train), model->named_parameters());
     const auto dtype = memtrain::autocast_dtype(memtrain::parse_precision(c.train.precision));
     std::vector<torch::Tensor> params = model->parameters();
     torch::Tensor loss;

@@ -9,14 +9,29 @@
 #include <map>
 #include <string>
 
-#include "memtrain/config.h"
-#include "memtrain/data/safetensors.h"
+#include "memtrain/core/config.h"
+#include "memtrain/core/safetensors.h"
+#include "memtrain/models/gpt.h"
 #include "test_paths.h"
 
 namespace memtrain::test {
 
 inline std::string fixture(const std::string& name) { return std::string(MEMTRAIN_FIXTURES) + "/" + name; }
 inline std::string source(const std::string& rel) { return std::string(MEMTRAIN_SOURCE_DIR) + "/" + rel; }
+
+// The small GPT of scripts/reference/make_fixtures.py (vocab 64, context 16, 2 layers, 2 heads, width 32)
+// with PyTorch's weights from gpt_parity.safetensors, which also holds the batch ("input", "target")
+// and PyTorch's logits, loss and gradients for it.
+inline std::shared_ptr<GPT> fixture_gpt(double dropout = 0.0) {
+  auto ref = load_safetensors(fixture("gpt_parity.safetensors"));
+  GPTOptions o;
+  o.vocab_size = 64, o.block_size = 16, o.n_layer = 2, o.n_head = 2, o.n_embd = 32, o.dropout = dropout;
+  auto gpt = std::make_shared<GPT>(o);
+  std::map<std::string, torch::Tensor> weights;
+  for (const auto& item : gpt->named_parameters()) weights[item.key()] = ref.at(item.key());
+  load_module_state(*gpt, weights, "gpt_parity.safetensors");
+  return gpt;
+}
 
 // A small byte-level GPT on synthetic tokens: fast, no data files.
 inline Config tiny_gpt_config(int64_t layers = 2) {

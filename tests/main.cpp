@@ -1,7 +1,7 @@
 // Test entry point: installs the counting CPU allocator before any tensor exists, as the binary does.
 #include <gtest/gtest.h>
 
-#include "memtrain/memory.h"
+#include "memtrain/core/cpu_memory.h"
 
 int main(int argc, char** argv) {
   memtrain::cpu_memory::install();

@@ -9,9 +9,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "memtrain/config.h"
-#include "memtrain/error.h"
-#include "memtrain/models/gpt.h"
+#include "memtrain/core/error.h"
 
 namespace memtrain {
 namespace {
@@ -202,12 +200,8 @@ class FashionMnistDataset : public Dataset {
 // Random tokens or images of the model's shape: for benchmarks, where data loading must not count.
 class SyntheticDataset : public Dataset {
  public:
-  SyntheticDataset(const Config& c, int64_t seed, Shard shard) : seed_(seed), shard_(shard) {
-    text_ = c.model.name == "gpt";
-    info_.vocab_size = c.model.vocab_size > 0 ? c.model.vocab_size : 256;
-    if (text_ && c.model.preset != "custom" && c.model.preset != "tiny" && c.model.vocab_size == 0) info_.vocab_size = 50257;
-    block_ = c.model.preset == "custom" ? c.model.block_size : (c.model.preset == "tiny" ? 32 : 1024);
-  }
+  SyntheticDataset(const SyntheticDataOptions& o, Shard shard)
+      : seed_(o.seed), block_(o.block_size), shard_(shard), text_(o.text), info_(o.info) {}
   DataInfo info() const override { return info_; }
   Batch train_batch(int64_t step, int64_t micro, int64_t batch_size) override {
     // Each (step, micro, rank) slot has its own generator: cheap, and independent of accum_steps.
@@ -227,7 +221,7 @@ class SyntheticDataset : public Dataset {
   std::string describe() const override { return text_ ? "synthetic tokens" : "synthetic images"; }
 
  private:
-  int64_t seed_, block_ = 0;
+  int64_t seed_, block_;
   Shard shard_;
   bool text_;
   DataInfo info_;
@@ -240,22 +234,16 @@ std::string default_data_dir() {
   return MEMTRAIN_DEFAULT_DATA_DIR;
 }
 
-std::unique_ptr<Dataset> make_dataset(const Config& c, const Shard& shard) {
-  const auto& d = c.data;
-  if (d.dataset == "text") {
-    MEMTRAIN_CHECK(c.model.name == "gpt", ConfigError, "[config] data.dataset = text needs model.name = gpt, got '",
-                   c.model.name, "'");
-    auto path = d.path.empty() ? (fs::path(default_data_dir()) / "text" / "austen.txt").string() : d.path;
-    auto block = c.model.preset == "custom" ? c.model.block_size : GPTOptions::preset(c.model.preset).block_size;
-    return std::make_unique<TextDataset>(path, block, d.val_fraction, c.train.seed, c.train.accum_steps, shard);
-  }
-  if (d.dataset == "fashion_mnist") {
-    MEMTRAIN_CHECK(c.model.name != "gpt", ConfigError,
-                   "[config] data.dataset = fashion_mnist needs an image model (resnet | mlp), got 'gpt'");
-    auto root = d.path.empty() ? (fs::path(default_data_dir()) / "fashion-mnist").string() : d.path;
-    return std::make_unique<FashionMnistDataset>(root, d.val_fraction, c.train.seed, c.train.accum_steps, shard);
-  }
-  return std::make_unique<SyntheticDataset>(c, c.train.seed, shard);
+std::unique_ptr<Dataset> make_text_dataset(const TextDataOptions& o, const Shard& shard) {
+  return std::make_unique<TextDataset>(o.path, o.block_size, o.val_fraction, o.seed, o.accum_steps, shard);
+}
+
+std::unique_ptr<Dataset> make_fashion_mnist(const FashionMnistOptions& o, const Shard& shard) {
+  return std::make_unique<FashionMnistDataset>(o.root, o.val_fraction, o.seed, o.accum_steps, shard);
+}
+
+std::unique_ptr<Dataset> make_synthetic_dataset(const SyntheticDataOptions& o, const Shard& shard) {
+  return std::make_unique<SyntheticDataset>(o, shard);
 }
 
 }  // namespace memtrain

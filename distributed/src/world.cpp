@@ -3,7 +3,7 @@
 #include <cstdlib>
 #include <optional>
 
-#include "memtrain/error.h"
+#include "memtrain/core/error.h"
 
 extern char** environ;
 

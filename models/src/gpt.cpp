@@ -7,7 +7,7 @@
 #include <cmath>
 #include <sstream>
 
-#include "memtrain/error.h"
+#include "memtrain/core/error.h"
 
 namespace memtrain {
 

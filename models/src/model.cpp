@@ -3,11 +3,8 @@
 #include <set>
 #include <sstream>
 
-#include "memtrain/config.h"
-#include "memtrain/error.h"
-#include "memtrain/models/gpt.h"
-#include "memtrain/models/mlp.h"
-#include "memtrain/models/resnet.h"
+#include "memtrain/core/error.h"
+#include "memtrain/models/model.h"
 
 namespace memtrain {
 
@@ -41,40 +38,6 @@ int64_t Model::num_parameters() const {
   for (const auto& p : parameters())
     if (seen.insert(p.unsafeGetTensorImpl()).second) n += p.numel();
   return n;
-}
-
-std::shared_ptr<Model> make_model(const ModelConfig& c, const DataInfo& data) {
-  if (c.name == "gpt") {
-    GPTOptions o;
-    if (c.preset != "custom") {
-      o = GPTOptions::preset(c.preset);
-    } else {
-      o.n_layer = c.n_layer, o.n_head = c.n_head, o.n_embd = c.n_embd, o.block_size = c.block_size;
-    }
-    o.dropout = c.dropout;
-    o.bias = c.bias;
-    if (c.vocab_size > 0) o.vocab_size = c.vocab_size;
-    else if (c.preset == "custom" || c.preset == "tiny") o.vocab_size = data.vocab_size;
-    MEMTRAIN_CHECK(o.vocab_size >= data.vocab_size, Error, "[model] vocab_size ", o.vocab_size,
-                   " is smaller than the data's vocabulary (", data.vocab_size, " tokens)");
-    return std::make_shared<GPT>(o);
-  }
-  if (c.name == "resnet") {
-    ResNetOptions o;
-    o.depth = c.depth, o.width = c.width, o.stem = c.stem;
-    o.in_channels = data.channels, o.num_classes = data.num_classes, o.image_size = data.image_size;
-    return std::make_shared<ResNet>(o);
-  }
-  if (c.name == "mlp") {
-    MLPOptions o;
-    o.in_features = data.channels * data.image_size * data.image_size;
-    o.num_classes = data.num_classes;
-    o.hidden.clear();
-    std::stringstream ss(c.hidden);
-    for (std::string item; std::getline(ss, item, ',');) o.hidden.push_back(std::stoll(item));
-    return std::make_shared<MLP>(o);
-  }
-  throw Error("[model] unknown model '" + c.name + "'; expected gpt | resnet | mlp");
 }
 
 }  // namespace memtrain

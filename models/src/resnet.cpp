@@ -7,7 +7,7 @@
 
 #include <sstream>
 
-#include "memtrain/error.h"
+#include "memtrain/core/error.h"
 
 namespace memtrain {
 namespace detail {

@@ -7,8 +7,7 @@
 #include <numbers>
 #include <set>
 
-#include "memtrain/config.h"
-#include "memtrain/error.h"
+#include "memtrain/core/error.h"
 
 namespace memtrain {
 
@@ -29,7 +28,7 @@ std::vector<torch::optim::OptimizerParamGroup> decay_groups(const std::vector<to
 }
 }  // namespace
 
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainOptions& t,
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& t,
                                                         const torch::OrderedDict<std::string, torch::Tensor>& named) {
   std::vector<torch::Tensor> decay, no_decay;
   std::set<const void*> seen;  // tied parameters appear once
@@ -38,17 +37,15 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainOptions& t,
     if (!p.requires_grad() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
     (p.dim() >= 2 ? decay : no_decay).push_back(p);
   }
-  if (t.optimizer == "adamw" || t.optimizer == "adamw_loop") {
-    auto base = torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.eps);
-    auto groups = decay_groups(decay, no_decay, base, t.weight_decay);
-    if (t.optimizer == "adamw_loop") return std::make_unique<torch::optim::AdamW>(std::move(groups), base);
-    return std::make_unique<FusedAdamW>(std::move(groups), base);
-  }
-  if (t.optimizer == "sgd") {
+  using Kind = OptimizerOptions::Kind;
+  if (t.kind == Kind::kSgd) {
     auto base = torch::optim::SGDOptions(t.lr).momentum(t.momentum);
     return std::make_unique<torch::optim::SGD>(decay_groups(decay, no_decay, base, t.weight_decay), base);
   }
-  throw ConfigError("[optim] unknown optimizer '" + t.optimizer + "'; expected adamw | adamw_loop | sgd");
+  auto base = torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.eps);
+  auto groups = decay_groups(decay, no_decay, base, t.weight_decay);
+  if (t.kind == Kind::kAdamWLoop) return std::make_unique<torch::optim::AdamW>(std::move(groups), base);
+  return std::make_unique<FusedAdamW>(std::move(groups), base);
 }
 
 FusedAdamW::FusedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::AdamWOptions defaults)

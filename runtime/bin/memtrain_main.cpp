@@ -9,10 +9,10 @@
 #include <string>
 #include <vector>
 
-#include "memtrain/config.h"
-#include "memtrain/error.h"
-#include "memtrain/memory.h"
-#include "memtrain/trainer.h"
+#include "memtrain/core/config.h"
+#include "memtrain/core/error.h"
+#include "memtrain/core/cpu_memory.h"
+#include "memtrain/runtime/trainer.h"
 
 int main(int argc, char** argv) {
   // Before any tensor exists: every CPU allocation from here on is counted.

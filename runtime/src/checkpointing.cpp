@@ -1,4 +1,4 @@
-#include "memtrain/checkpointing.h"
+#include "memtrain/runtime/checkpointing.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
@@ -14,10 +14,10 @@
 #include <sstream>
 #include <unordered_set>
 
-#include "memtrain/error.h"
-#include "memtrain/memory_tracker.h"
+#include "memtrain/core/error.h"
+#include "memtrain/core/memory_tracker.h"
 #include "memtrain/models/model.h"
-#include "memtrain/precision.h"
+#include "memtrain/runtime/precision.h"
 
 namespace memtrain {
 namespace {
@@ -245,70 +245,6 @@ torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)
 }
 
 int64_t checkpoint_recompute_count() { return g_recomputes.load(); }
-
-CheckpointPolicy CheckpointPolicy::parse(const std::string& text) {
-  // The one grammar of memory.checkpoint: Config::validate calls this too.
-  CheckpointPolicy p;
-  const std::string allowed = "expected none | all | every:K (whole K >= 1) | attn | mlp | budget:MiB (> 0)";
-  auto bad = [&] { return ConfigError("[config] memory.checkpoint = '" + text + "' is not allowed; " + allowed); };
-  if (text == "none") {
-    p.mode = Mode::kNone;
-  } else if (text == "all") {
-    p.mode = Mode::kAll;
-  } else if (text == "attn" || text == "mlp") {
-    p.mode = Mode::kPart;
-    p.part = text;
-  } else if (text.rfind("every:", 0) == 0) {
-    p.mode = Mode::kEvery;
-    const auto digits = text.substr(6);
-    if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) throw bad();
-    p.every = std::stoll(digits);
-    if (p.every < 1) throw bad();
-  } else if (text.rfind("budget:", 0) == 0) {
-    p.mode = Mode::kBudget;
-    try {
-      size_t used = 0;
-      p.budget_mib = std::stod(text.substr(7), &used);
-      if (used != text.size() - 7) throw bad();
-    } catch (const std::logic_error&) {  // stod: not a number, or out of range
-      throw bad();
-    }
-    if (!(p.budget_mib > 0) || !std::isfinite(p.budget_mib)) throw bad();
-  } else {
-    throw bad();
-  }
-  return p;
-}
-
-std::string CheckpointPolicy::describe() const {
-  std::ostringstream os;
-  switch (mode) {
-    case Mode::kNone: os << "none"; break;
-    case Mode::kAll: os << "all blocks"; break;
-    case Mode::kEvery: os << "every " << every << " blocks"; break;
-    case Mode::kPart: os << "the " << part << " part of every block"; break;
-    case Mode::kBudget: {
-      os << "budget " << budget_mib << " MiB";
-      if (!blocks.empty()) {
-        os << ": blocks";
-        for (size_t i = 0; i < blocks.size(); ++i)
-          if (blocks[i]) os << " " << i;
-      }
-      break;
-    }
-  }
-  if (offload && mode != Mode::kNone) os << ", inputs offloaded to CPU";
-  return os.str();
-}
-
-bool CheckpointPolicy::checkpoints_block(int64_t i) const {
-  switch (mode) {
-    case Mode::kAll: return true;
-    case Mode::kEvery: return i % every == 0;
-    case Mode::kBudget: return blocks.empty() || (i < static_cast<int64_t>(blocks.size()) && blocks[i]);
-    default: return false;
-  }
-}
 
 torch::Tensor forward_with_checkpointing(Model& model, const torch::Tensor& input, const CheckpointPolicy& policy) {
   return model.head(run_blocks(model, input, policy));

@@ -1,10 +1,10 @@
-#include "memtrain/fused_loss.h"
+#include "memtrain/runtime/fused_loss.h"
 
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include "memtrain/error.h"
-#include "memtrain/precision.h"
+#include "memtrain/core/error.h"
+#include "memtrain/runtime/precision.h"
 
 namespace memtrain {
 namespace {
@@ -53,16 +53,6 @@ struct FusedLinearCrossEntropy : public torch::autograd::Function<FusedLinearCro
 };
 
 }  // namespace
-
-int64_t parse_head_rows(const std::string& mode) {
-  if (mode == "plain") return -1;
-  if (mode == "fused") return 0;
-  const auto digits = mode.rfind("fused:", 0) == 0 ? mode.substr(6) : std::string();
-  const bool whole = !digits.empty() && digits.size() <= 9 && digits.find_first_not_of("0123456789") == std::string::npos;
-  MEMTRAIN_CHECK(whole && std::stoll(digits) >= 1, ConfigError, "[config] memory.head = '", mode,
-                 "' is not allowed; expected plain | fused | fused:ROWS (rows per chunk, >= 1)");
-  return std::stoll(digits);
-}
 
 torch::Tensor fused_linear_cross_entropy(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& target,
                                          int64_t chunk_rows) {

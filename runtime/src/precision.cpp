@@ -1,11 +1,11 @@
-#include "memtrain/precision.h"
+#include "memtrain/runtime/precision.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 
 #include <map>
 
-#include "memtrain/error.h"
+#include "memtrain/core/error.h"
 
 namespace memtrain {
 

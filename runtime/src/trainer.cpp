@@ -1,4 +1,4 @@
-#include "memtrain/trainer.h"
+#include "memtrain/runtime/trainer.h"
 
 #include <torch/cuda.h>
 #include <unistd.h>
@@ -11,10 +11,11 @@
 #include <set>
 #include <sstream>
 
-#include "memtrain/data/safetensors.h"
-#include "memtrain/error.h"
-#include "memtrain/fused_loss.h"
-#include "memtrain/memory.h"
+#include "memtrain/core/safetensors.h"
+#include "memtrain/runtime/factories.h"
+#include "memtrain/core/error.h"
+#include "memtrain/runtime/fused_loss.h"
+#include "memtrain/core/cpu_memory.h"
 
 namespace memtrain {
 
@@ -82,9 +83,9 @@ void Trainer::setup() {
     for (auto& p : model_->parameters()) p.set_data(p.data().to(torch::kBFloat16));
     for (auto& b : model_->buffers())
       if (b.is_floating_point()) b.set_data(b.data().to(torch::kBFloat16));
-    optimizer_ = make_optimizer(t, masters);
+    optimizer_ = make_optimizer(optimizer_options(t), masters);
   } else {
-    optimizer_ = make_optimizer(t, model_->named_parameters());
+    optimizer_ = make_optimizer(optimizer_options(t), model_->named_parameters());
   }
   schedule_ = std::make_unique<CosineSchedule>(
       CosineScheduleOptions{.peak = t.lr, .min = t.min_lr, .warmup_steps = t.warmup_steps, .total_steps = t.steps});
@@ -319,7 +320,8 @@ void Trainer::fit() {
       nlohmann::json j = {{"step", step_}, {"loss", last_loss}, {"lr", r.lr}, {"grad_norm", norm}, {"ms_per_step", ms},
                           {"samples_per_s", samples_per_step * 1000 / ms}};
       if (model_->tokens_per_sample() > 1) j["tokens_per_s"] = tokens_per_step * 1000 / ms;
-      j["mfu_flops_per_s"] = samples_per_step * model_->train_flops_per_sample() * 1000 / ms;
+      if (model_->train_flops_per_sample() > 0)  // 0: the model's FLOPs are unknown
+        j["mfu_flops_per_s"] = samples_per_step * model_->train_flops_per_sample() * 1000 / ms;
       if (scaler_) j["loss_scale"] = scaler_->current_scale(), j["skipped"] = !r.applied;
       for (const auto& m : mem) j["peak_" + m.device] = m.peak_allocated;
       metrics << j.dump() << "\n" << std::flush;

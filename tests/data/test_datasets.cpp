@@ -6,19 +6,12 @@
 
 #include "helpers.h"
 #include "memtrain/data/datasets.h"
-#include "memtrain/data/safetensors.h"
-#include "memtrain/error.h"
+#include "memtrain/core/error.h"
 
 namespace memtrain {
 namespace {
 
-Config text_config(const std::string& path, int64_t block = 8) {
-  Config c;
-  c.data.dataset = "text";
-  c.data.path = path;
-  c.model.block_size = block;
-  return c;
-}
+TextDataOptions text_options(const std::string& path) { return {.path = path, .block_size = 8}; }
 
 std::string alphabet_text(test::TempDir& dir) {
   std::string s;
@@ -28,7 +21,7 @@ std::string alphabet_text(test::TempDir& dir) {
 
 TEST(TextData, TargetsAreInputsShiftedByOne) {
   test::TempDir dir;
-  auto data = make_dataset(text_config(alphabet_text(dir)), {});
+  auto data = make_text_dataset(text_options(alphabet_text(dir)), {});
   EXPECT_EQ(data->info().vocab_size, 256);
   auto b = data->train_batch(0, 0, 4);
   ASSERT_EQ(b.input.sizes(), (std::vector<int64_t>{4, 8}));
@@ -41,13 +34,13 @@ TEST(TextData, TargetsAreInputsShiftedByOne) {
 TEST(TextData, DeterministicPerStepAndDisjointAcrossRanks) {
   test::TempDir dir;
   auto path = alphabet_text(dir);
-  auto c = text_config(path);
-  c.train.accum_steps = 2;
-  auto one = make_dataset(c, {0, 1});
-  EXPECT_TRUE(torch::equal(one->train_batch(3, 1, 4).input, make_dataset(c, {0, 1})->train_batch(3, 1, 4).input));
+  auto c = text_options(path);
+  c.accum_steps = 2;
+  auto one = make_text_dataset(c, {0, 1});
+  EXPECT_TRUE(torch::equal(one->train_batch(3, 1, 4).input, make_text_dataset(c, {0, 1})->train_batch(3, 1, 4).input));
   EXPECT_FALSE(torch::equal(one->train_batch(3, 0, 4).input, one->train_batch(4, 0, 4).input));
   // Two ranks with micro-batches of 2 see exactly the single rank's batch of 4, split in two.
-  auto r0 = make_dataset(c, {0, 2}), r1 = make_dataset(c, {1, 2});
+  auto r0 = make_text_dataset(c, {0, 2}), r1 = make_text_dataset(c, {1, 2});
   auto whole = one->train_batch(5, 1, 4).input;
   auto parts = torch::cat({r0->train_batch(5, 1, 2).input, r1->train_batch(5, 1, 2).input});
   EXPECT_TRUE(torch::equal(whole, parts));
@@ -55,33 +48,31 @@ TEST(TextData, DeterministicPerStepAndDisjointAcrossRanks) {
 
 TEST(TextData, ValidationIsHeldOutAndStable) {
   test::TempDir dir;
-  auto data = make_dataset(text_config(alphabet_text(dir)), {});
+  auto data = make_text_dataset(text_options(alphabet_text(dir)), {});
   auto v1 = data->val_batches(4, 3), v2 = data->val_batches(4, 3);
   ASSERT_EQ(v1.size(), 3u);
   for (size_t i = 0; i < v1.size(); ++i) EXPECT_TRUE(torch::equal(v1[i].input, v2[i].input));
 }
 
 TEST(TextData, MissingAndShortFilesAreNamed) {
-  auto msg = test::error_of([] { make_dataset(text_config("/no/such/corpus.txt"), {}); });
+  auto msg = test::error_of([] { make_text_dataset(text_options("/no/such/corpus.txt"), {}); });
   EXPECT_NE(msg.find("'/no/such/corpus.txt' not found"), std::string::npos) << msg;
   test::TempDir dir;
   auto tiny = dir.file("tiny.txt", "too short");
-  msg = test::error_of([&] { make_dataset(text_config(tiny), {}); });
+  msg = test::error_of([&] { make_text_dataset(text_options(tiny), {}); });
   EXPECT_NE(msg.find("holds 9 bytes: too short for block_size 8"), std::string::npos) << msg;
 }
 
 TEST(TextData, RealCorpusIsPrepared) {
-  auto data = make_dataset(text_config(""), {});
+  auto data = make_text_dataset(text_options((std::filesystem::path(default_data_dir()) / "text" / "austen.txt").string()), {});
   EXPECT_NE(data->describe().find("austen.txt"), std::string::npos);
   EXPECT_GT(data->val_batches(8, 1).size(), 0u);
 }
 
 TEST(FashionMnist, ShapesLabelsAndSplits) {
-  Config c;
-  c.model.name = "mlp";
-  c.data.dataset = "fashion_mnist";
-  c.data.val_fraction = 0.1;
-  auto data = make_dataset(c, {});
+  auto data = make_fashion_mnist({.root = (std::filesystem::path(default_data_dir()) / "fashion-mnist").string(),
+                                  .val_fraction = 0.1},
+                                 {});
   auto b = data->train_batch(0, 0, 16);
   EXPECT_EQ(b.input.sizes(), (std::vector<int64_t>{16, 1, 28, 28}));
   EXPECT_EQ(b.target.sizes(), (std::vector<int64_t>{16}));
@@ -102,55 +93,8 @@ TEST(FashionMnist, CorruptFileIsNamed) {
   const auto src = fs::path(default_data_dir()) / "fashion-mnist";
   for (const auto& f : fs::directory_iterator(src)) fs::copy_file(f.path(), fs::path(dir.path()) / f.path().filename());
   fs::resize_file(dir.path("train-labels-idx1-ubyte"), 1000);  // truncated
-  Config c;
-  c.model.name = "mlp";
-  c.data.dataset = "fashion_mnist";
-  c.data.path = dir.path();
-  auto msg = test::error_of([&] { make_dataset(c, {}); });
+  auto msg = test::error_of([&] { make_fashion_mnist({.root = dir.path()}, {}); });
   EXPECT_NE(msg.find("train-labels-idx1-ubyte' has 1000 bytes, expected 60008"), std::string::npos) << msg;
-}
-
-TEST(Safetensors, CorruptHeadersAreErrorsNotCrashes) {
-  test::TempDir dir;
-  auto write = [&](const std::string& header, const std::string& data) {
-    std::string bytes(8, '\0');
-    const uint64_t n = header.size();
-    std::memcpy(bytes.data(), &n, 8);
-    return dir.file("bad.safetensors", bytes + header + data);
-  };
-  // Offsets that wrap around, a range past the data, a shape that does not fit, a header that lies.
-  auto msg = test::error_of([&] {
-    load_safetensors(write(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[18446744073709551608,0]}})", "12345678"));
-  });
-  EXPECT_NE(msg.find("tensor 'a' claims bytes"), std::string::npos) << msg;
-  msg = test::error_of([&] {
-    load_safetensors(write(R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", "12345678"));
-  });
-  EXPECT_NE(msg.find("tensor 'a' claims bytes [0, 16) of 8"), std::string::npos) << msg;
-  msg = test::error_of([&] {
-    load_safetensors(write(R"({"a":{"dtype":"F32","shape":[1000000000000],"data_offsets":[0,8]}})", "12345678"));
-  });
-  EXPECT_NE(msg.find("impossible shape"), std::string::npos) << msg;
-  msg = test::error_of([&] { load_safetensors(write(R"({"a":{"dtype":"F32"}})", "")); });
-  EXPECT_NE(msg.find("malformed header at 'a'"), std::string::npos) << msg;
-  msg = test::error_of([&] { load_safetensors(dir.file("short.safetensors", std::string("\xff\xff\xff\xff\0\0\0\0x", 9))); });
-  EXPECT_NE(msg.find("corrupt header length"), std::string::npos) << msg;
-}
-
-TEST(Safetensors, RoundTripAndChecksum) {
-  test::TempDir dir;
-  std::map<std::string, torch::Tensor> t = {{"a", torch::randn({3, 4})}, {"b", torch::arange(5, torch::kLong)}};
-  save_safetensors(dir.path("w.safetensors"), t);
-  auto back = load_safetensors(dir.path("w.safetensors"));
-  EXPECT_TRUE(torch::equal(back.at("a"), t.at("a")));
-  EXPECT_TRUE(torch::equal(back.at("b"), t.at("b")));
-  {  // flip one data byte at the end: the CRC catches it
-    std::fstream f(dir.path("w.safetensors"), std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(-1, std::ios::end);
-    f.put('\x7f');
-  }
-  auto msg = test::error_of([&] { load_safetensors(dir.path("w.safetensors")); });
-  EXPECT_NE(msg.find("checksum mismatch"), std::string::npos) << msg;
 }
 
 }  // namespace

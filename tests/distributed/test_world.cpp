@@ -2,7 +2,7 @@
 
 #include "helpers.h"
 #include "memtrain/distributed/world.h"
-#include "memtrain/error.h"
+#include "memtrain/core/error.h"
 
 namespace memtrain {
 namespace {

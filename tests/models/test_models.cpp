@@ -1,7 +1,7 @@
 #include <gtest/gtest.h>
 
 #include "helpers.h"
-#include "memtrain/error.h"
+#include "memtrain/core/error.h"
 #include "memtrain/models/gpt.h"
 #include "memtrain/models/mlp.h"
 #include "memtrain/models/resnet.h"

@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "helpers.h"
-#include "memtrain/data/safetensors.h"
+#include "memtrain/core/safetensors.h"
 #include "memtrain/models/gpt.h"
 #include "memtrain/optim/optimizer.h"
 
@@ -14,12 +14,7 @@ class GptParity : public ::testing::Test {
  protected:
   void SetUp() override {
     ref = load_safetensors(test::fixture("gpt_parity.safetensors"));
-    GPTOptions o;
-    o.vocab_size = 64, o.block_size = 16, o.n_layer = 2, o.n_head = 2, o.n_embd = 32;
-    gpt = std::make_shared<GPT>(o);
-    std::map<std::string, torch::Tensor> weights;
-    for (const auto& item : gpt->named_parameters()) weights[item.key()] = ref.at(item.key());
-    load_module_state(*gpt, weights, "gpt_parity.safetensors");
+    gpt = test::fixture_gpt();
   }
   std::map<std::string, torch::Tensor> ref;
   std::shared_ptr<GPT> gpt;
@@ -43,13 +38,12 @@ TEST_F(GptParity, LogitsLossAndEveryGradient) {
 
 TEST_F(GptParity, AdamWTrajectory) {
   // Both AdamW implementations: the fused kernel (default) and LibTorch's per-parameter loop.
-  for (const char* name : {"adamw", "adamw_loop"}) {
-    SCOPED_TRACE(name);
+  using Kind = OptimizerOptions::Kind;
+  for (auto kind : {Kind::kAdamW, Kind::kAdamWLoop}) {
+    SCOPED_TRACE(kind == Kind::kAdamW ? "adamw" : "adamw_loop");
     SetUp();  // fresh weights
-    TrainOptions t;
-    t.optimizer = name;
-    t.lr = 1e-2, t.beta1 = 0.9, t.beta2 = 0.95, t.eps = 1e-8, t.weight_decay = 0.1;
-    auto opt = make_optimizer(t, gpt->named_parameters());
+    auto opt = make_optimizer({.kind = kind, .lr = 1e-2, .weight_decay = 0.1, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8},
+                              gpt->named_parameters());
     auto expected = ref.at("adamw_losses");
     for (int64_t i = 0; i < expected.size(0); ++i) {
       opt->zero_grad(true);

@@ -43,9 +43,7 @@ TEST(ClipGradNorm, AgreesWithLibTorchClipGradNorm) {
 
 TEST(MakeOptimizer, DecayOnMatricesOnly) {
   torch::nn::Linear lin(4, 3);
-  TrainOptions t;
-  t.weight_decay = 0.25;
-  auto opt = make_optimizer(t, lin->named_parameters());
+  auto opt = make_optimizer({.weight_decay = 0.25}, lin->named_parameters());
   ASSERT_EQ(opt->param_groups().size(), 2u);
   auto& g0 = opt->param_groups()[0];
   auto& g1 = opt->param_groups()[1];
@@ -61,7 +59,7 @@ TEST(MakeOptimizer, DecayOnMatricesOnly) {
 
 TEST(MakeOptimizer, StateTensorsAreAdamMoments) {
   torch::nn::Linear lin(4, 3);
-  auto opt = make_optimizer(TrainOptions{}, lin->named_parameters());
+  auto opt = make_optimizer({}, lin->named_parameters());
   lin->forward(torch::randn({2, 4})).sum().backward();
   opt->step();
   auto state = optimizer_state_tensors(*opt);

@@ -1,26 +1,16 @@
 #include <gtest/gtest.h>
 
 #include "helpers.h"
-#include "memtrain/checkpointing.h"
-#include "memtrain/data/safetensors.h"
-#include "memtrain/fused_loss.h"
+#include "memtrain/runtime/checkpointing.h"
+#include "memtrain/core/safetensors.h"
+#include "memtrain/runtime/fused_loss.h"
 #include "memtrain/models/gpt.h"
-#include "memtrain/trainer.h"
+#include "memtrain/runtime/trainer.h"
 
 namespace memtrain {
 namespace {
 
-// The fixture GPT (scripts/reference/make_fixtures.py) with PyTorch's weights.
-std::shared_ptr<GPT> fixture_gpt(double dropout) {
-  auto ref = load_safetensors(test::fixture("gpt_parity.safetensors"));
-  GPTOptions o;
-  o.vocab_size = 64, o.block_size = 16, o.n_layer = 2, o.n_head = 2, o.n_embd = 32, o.dropout = dropout;
-  auto gpt = std::make_shared<GPT>(o);
-  std::map<std::string, torch::Tensor> weights;
-  for (const auto& item : gpt->named_parameters()) weights[item.key()] = ref.at(item.key());
-  load_module_state(*gpt, weights, "gpt_parity.safetensors");
-  return gpt;
-}
+using test::fixture_gpt;
 
 struct Result {
   double loss;

@@ -2,12 +2,12 @@
 #include <gtest/gtest.h>
 
 #include "helpers.h"
-#include "memtrain/data/safetensors.h"
-#include "memtrain/error.h"
+#include "memtrain/core/safetensors.h"
+#include "memtrain/core/error.h"
 #include "memtrain/models/gpt.h"
-#include "memtrain/precision.h"
+#include "memtrain/runtime/precision.h"
 #include "memtrain/data/datasets.h"
-#include "memtrain/trainer.h"
+#include "memtrain/runtime/trainer.h"
 
 namespace memtrain {
 namespace {
@@ -46,12 +46,8 @@ TEST(Autocast, Fp16RefusedOnCpu) {
 TEST(Autocast, Bf16MatchesPyTorchCpuAutocast) {
   auto ref = load_safetensors(test::fixture("gpt_bf16.safetensors"));
   auto parity = load_safetensors(test::fixture("gpt_parity.safetensors"));
-  GPTOptions o;
-  o.vocab_size = 64, o.block_size = 16, o.n_layer = 2, o.n_head = 2, o.n_embd = 32;
-  GPT gpt(o);
-  std::map<std::string, torch::Tensor> weights;
-  for (const auto& item : gpt.named_parameters()) weights[item.key()] = parity.at(item.key());
-  load_module_state(gpt, weights, "gpt_parity.safetensors");
+  auto gpt_ptr = test::fixture_gpt();
+  auto& gpt = *gpt_ptr;
   torch::Tensor loss;
   {
     AutocastGuard autocast(c10::kCPU, c10::kBFloat16);
@@ -100,12 +96,7 @@ TEST(MasterWeights, MatchPyTorchBf16ModelWithFp32Masters) {
   // scripts/reference/make_fixtures.py gpt_master(): the GPT in bf16, AdamW on fp32 copies, 3 steps.
   auto parity = load_safetensors(test::fixture("gpt_parity.safetensors"));
   auto ref = load_safetensors(test::fixture("gpt_master.safetensors"));
-  GPTOptions o;
-  o.vocab_size = 64, o.block_size = 16, o.n_layer = 2, o.n_head = 2, o.n_embd = 32;
-  auto gpt = std::make_shared<GPT>(o);
-  std::map<std::string, torch::Tensor> weights;
-  for (const auto& item : gpt->named_parameters()) weights[item.key()] = parity.at(item.key());
-  load_module_state(*gpt, weights, "gpt_parity.safetensors");
+  auto gpt = test::fixture_gpt();
   auto c = Config::load("", {"--train.param_dtype=bf16", "--train.lr=0.01", "--train.min_lr=0.01",
                              "--train.warmup_steps=0", "--train.grad_clip=0", "--train.weight_decay=0.1",
                              "--train.beta2=0.95", "--train.micro_batch=4", "--train.steps=3", "--train.threads=1"});

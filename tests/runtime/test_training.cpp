@@ -5,8 +5,9 @@
 #include <fstream>
 
 #include "memtrain/data/datasets.h"
-#include "memtrain/data/safetensors.h"
-#include "memtrain/trainer.h"
+#include "memtrain/core/safetensors.h"
+#include "memtrain/runtime/factories.h"
+#include "memtrain/runtime/trainer.h"
 
 namespace memtrain {
 namespace {

@@ -2,7 +2,7 @@
 // pure function of (seed, step, micro-batch, rank): runs repeat exactly, ranks see disjoint samples,
 // and a resumed run sees the same data it would have seen.
 //
-//   auto data = memtrain::make_dataset(cfg, {.rank = 0, .world = 1});
+//   auto data = memtrain::make_text_dataset({.path = "austen.txt", .block_size = 128}, {.rank = 0, .world = 1});
 //   memtrain::Batch b = data->train_batch(step, micro, cfg.train.micro_batch);
 #pragma once
 
@@ -12,11 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "memtrain/models/model.h"
+#include "memtrain/core/data_info.h"
 
 namespace memtrain {
-
-struct Config;
 
 struct Batch {
   torch::Tensor input;   // text: (B, T) int64 tokens; images: (B, C, H, W) float
@@ -44,6 +42,33 @@ class Dataset {
 // The prepared-data folder: $MEMTRAIN_DATA if set, else the one the build was configured with.
 std::string default_data_dir();
 
-std::unique_ptr<Dataset> make_dataset(const Config& config, const Shard& shard);
+// Byte-level language modelling on a text file: vocabulary 256, windows of block_size + 1 bytes.
+struct TextDataOptions {
+  std::string path;             // the corpus; see default_data_dir() for the prepared one
+  int64_t block_size = 128;     // tokens per sample
+  double val_fraction = 0.1;    // the tail held out for validation
+  int64_t seed = 1337;
+  int64_t accum_steps = 1;      // micro-batches per step: the global batch is drawn once per step
+};
+std::unique_ptr<Dataset> make_text_dataset(const TextDataOptions& options, const Shard& shard);
+
+// Fashion-MNIST from its four gunzipped IDX files (train 60,000 and t10k 10,000 images, 28 x 28).
+struct FashionMnistOptions {
+  std::string root;             // folder with the four files
+  double val_fraction = 0.1;
+  int64_t seed = 1337;
+  int64_t accum_steps = 1;
+};
+std::unique_ptr<Dataset> make_fashion_mnist(const FashionMnistOptions& options, const Shard& shard);
+
+// Random tokens (text = true) or images of a given shape: for benchmarks and tests, where loading
+// must not count.
+struct SyntheticDataOptions {
+  bool text = true;
+  int64_t block_size = 128;     // text: tokens per sample
+  DataInfo info{.vocab_size = 256};  // text: vocab_size; images: channels, image_size, num_classes
+  int64_t seed = 1337;
+};
+std::unique_ptr<Dataset> make_synthetic_dataset(const SyntheticDataOptions& options, const Shard& shard);
 
 }  // namespace memtrain

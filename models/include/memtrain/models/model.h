@@ -2,7 +2,7 @@
 // that activation checkpointing recomputes and that ZeRO-3 will gather; a block may be split into
 // named parts (a transformer block into "attn" and "mlp") for selective checkpointing.
 //
-//   auto model = memtrain::make_model(cfg.model, data_info);
+//   auto model = memtrain::make_model(cfg.model, data_info);   // runtime/factories.h
 //   auto logits = model->forward(batch.input);          // == head(blocks(embed(input)))
 //   auto loss = model->loss(logits, batch.target);
 #pragma once
@@ -16,17 +16,10 @@
 #include <string>
 #include <vector>
 
+#include "memtrain/core/data_info.h"
+
 namespace memtrain {
 
-struct ModelConfig;
-
-// What the data tells the model: vocabulary for text, image shape and classes for images.
-struct DataInfo {
-  int64_t vocab_size = 0;   // text
-  int64_t channels = 1;     // images
-  int64_t image_size = 28;
-  int64_t num_classes = 10;
-};
 
 class Model : public torch::nn::Module {
  public:
@@ -51,8 +44,9 @@ class Model : public torch::nn::Module {
   // Mean cross-entropy of `output` (logits, last dim = classes) against integer `target`.
   virtual torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) const;
 
-  // Training FLOPs (forward + backward) per sample, the usual 3x-forward matmul count.
-  virtual double train_flops_per_sample() const = 0;
+  // Training FLOPs (forward + backward) per sample, the usual 3x-forward matmul count; 0 = unknown
+  // (no FLOP/s or MFU is reported).
+  virtual double train_flops_per_sample() const { return 0; }
   // Tokens per sample (context length for language models, 1 otherwise), for tokens/s.
   virtual int64_t tokens_per_sample() const { return 1; }
   virtual std::string describe() const = 0;
@@ -60,8 +54,6 @@ class Model : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& input);
   int64_t num_parameters() const;  // distinct parameters (tied weights once)
 };
-
-std::shared_ptr<Model> make_model(const ModelConfig& config, const DataInfo& data);
 
 namespace detail {
 // x @ W^T + b through at::linear, as Python's nn.Linear does. LibTorch's torch::nn::Linear::forward

@@ -1,7 +1,7 @@
 // Optimizers (LibTorch's AdamW and SGD), the warm-up + cosine learning-rate schedule, and gradient
 // clipping that keeps the norm on the device (no host sync in the step).
 //
-//   auto opt = memtrain::make_optimizer(cfg.train, model->named_parameters());
+//   auto opt = memtrain::make_optimizer({.lr = 3e-4}, model->named_parameters());
 //   memtrain::CosineSchedule lr({.peak = 1e-3, .min = 1e-4, .warmup_steps = 20, .total_steps = 200});
 //   memtrain::set_learning_rate(*opt, lr.at(step));
 //   auto norm = memtrain::clip_grad_norm(params, 1.0);   // device tensor, read only when logging
@@ -18,7 +18,17 @@
 
 namespace memtrain {
 
-struct TrainOptions;
+// What make_optimizer builds. The runtime's factory fills it from [train].
+struct OptimizerOptions {
+  enum class Kind { kAdamW, kAdamWLoop, kSgd };
+  Kind kind = Kind::kAdamW;    // kAdamW: FusedAdamW; kAdamWLoop: LibTorch's per-parameter AdamW; kSgd
+  double lr = 1e-3;
+  double weight_decay = 0.1;   // matrices and filters only
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double momentum = 0.9;       // sgd
+};
 
 // AdamW on ATen's fused multi-tensor kernel (_fused_adamw_, CPU and CUDA): one kernel per step
 // and parameter group instead of ~10 per parameter. The same arithmetic as torch.optim.AdamW (and
@@ -34,8 +44,7 @@ class FusedAdamW : public torch::optim::Optimizer {
 };
 
 // Weight decay goes to matrices and filters (dim >= 2) only; biases, norms and other vectors get none.
-// train.optimizer: adamw (FusedAdamW) | adamw_loop (LibTorch's per-parameter AdamW) | sgd.
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainOptions& train,
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& options,
                                                         const torch::OrderedDict<std::string, torch::Tensor>& params);
 
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr);

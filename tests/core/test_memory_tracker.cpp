@@ -4,9 +4,9 @@
 #include <nlohmann/json.hpp>
 
 #include "helpers.h"
-#include "memtrain/memory.h"
-#include "memtrain/memory_tracker.h"
-#include "memtrain/trainer.h"
+#include "memtrain/core/cpu_memory.h"
+#include "memtrain/core/memory_tracker.h"
+#include "memtrain/runtime/trainer.h"
 
 namespace memtrain {
 namespace {

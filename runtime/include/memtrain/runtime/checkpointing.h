@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "memtrain/core/checkpoint_policy.h"
+
 namespace memtrain {
 
 class Model;
@@ -41,24 +43,6 @@ torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)
 
 // Counts block recomputations in this process (tests check that checkpointing really recomputed).
 int64_t checkpoint_recompute_count();
-
-struct CheckpointPolicy {
-  enum class Mode { kNone, kAll, kEvery, kPart, kBudget };
-  Mode mode = Mode::kNone;
-  int64_t every = 1;          // kEvery: blocks 0, k, 2k, ...
-  std::string part;           // kPart: the block part to recompute ("attn" | "mlp")
-  double budget_mib = 0;      // kBudget: activation budget
-  std::vector<bool> blocks;   // kBudget, once resolved: which blocks to checkpoint
-  bool offload = false;
-
-  // none | all | every:K | attn | mlp | budget:MiB
-  static CheckpointPolicy parse(const std::string& text);
-  std::string describe() const;
-  // Whether part `part_name` of block i is checkpointed (whole-block modes answer for part "").
-  bool checkpoints_block(int64_t i) const;
-  bool checkpoints_part(const std::string& part_name) const { return mode == Mode::kPart && part == part_name; }
-  bool budget_unresolved() const { return mode == Mode::kBudget && blocks.empty(); }
-};
 
 // blocks(embed(input)) with the policy applied: the hidden state the head takes. Under no-grad it runs
 // plainly.

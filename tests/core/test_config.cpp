@@ -3,8 +3,8 @@
 #include <filesystem>
 
 #include "helpers.h"
-#include "memtrain/config.h"
-#include "memtrain/error.h"
+#include "memtrain/core/config.h"
+#include "memtrain/core/error.h"
 
 namespace memtrain {
 namespace {

@@ -7,7 +7,7 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "memtrain/memory.h"
+#include "memtrain/core/cpu_memory.h"
 
 namespace memtrain::cpu_memory {
 namespace {

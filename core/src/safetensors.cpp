@@ -1,4 +1,4 @@
-#include "memtrain/data/safetensors.h"
+#include "memtrain/core/safetensors.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -11,7 +11,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "memtrain/error.h"
+#include "memtrain/core/error.h"
 
 namespace memtrain {
 namespace {

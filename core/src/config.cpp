@@ -1,4 +1,4 @@
-#include "memtrain/config.h"
+#include "memtrain/core/config.h"
 
 #include <algorithm>
 #include <boost/program_options.hpp>
@@ -10,9 +10,8 @@
 #include <map>
 #include <sstream>
 
-#include "memtrain/checkpointing.h"
-#include "memtrain/error.h"
-#include "memtrain/fused_loss.h"
+#include "memtrain/core/checkpoint_policy.h"
+#include "memtrain/core/error.h"
 
 namespace po = boost::program_options;
 
@@ -62,8 +61,8 @@ std::vector<Entry> entries(Config& c) {
   auto& l = c.log;
   auto& ck = c.checkpoint;
   return {
-      entry("model.name", &m.name, "gpt | resnet | mlp"),
-      entry("model.preset", &m.preset, "gpt size: custom | tiny | gpt2 | gpt2-medium | gpt2-large | gpt2-xl"),
+      entry("model.name", &m.name, choices::join(choices::model_name)),
+      entry("model.preset", &m.preset, "gpt size: " + choices::join(choices::gpt_preset)),
       entry("model.n_layer", &m.n_layer, "gpt: transformer blocks (preset = custom only)"),
       entry("model.n_head", &m.n_head, "gpt: attention heads (preset = custom only)"),
       entry("model.n_embd", &m.n_embd, "gpt: embedding width (preset = custom only)"),
@@ -73,13 +72,13 @@ std::vector<Entry> entries(Config& c) {
       entry("model.bias", &m.bias, "gpt: biases in Linear and LayerNorm"),
       entry("model.depth", &m.depth, "resnet: 18 | 50"),
       entry("model.width", &m.width, "resnet: channels of the first stage"),
-      entry("model.stem", &m.stem, "resnet: small | imagenet"),
+      entry("model.stem", &m.stem, "resnet: " + choices::join(choices::resnet_stem)),
       entry("model.hidden", &m.hidden, "mlp: comma-separated hidden widths"),
-      entry("data.dataset", &d.dataset, "text | fashion_mnist | synthetic"),
+      entry("data.dataset", &d.dataset, choices::join(choices::dataset)),
       entry("data.path", &d.path, "text file or Fashion-MNIST folder; empty = prepared cache"),
       entry("data.val_fraction", &d.val_fraction, "fraction held out for validation, in [0, 0.5]"),
-      entry("train.device", &t.device, "cpu | cuda | auto"),
-      entry("train.optimizer", &t.optimizer, "adamw (fused kernel) | adamw_loop (LibTorch's per-parameter AdamW) | sgd"),
+      entry("train.device", &t.device, choices::join(choices::device)),
+      entry("train.optimizer", &t.optimizer, choices::join(choices::optimizer) + " (adamw: ATen's fused kernel; adamw_loop: LibTorch's per-parameter AdamW)"),
       entry("train.lr", &t.lr, "peak learning rate"),
       entry("train.min_lr", &t.min_lr, "learning rate at the end of the cosine decay"),
       entry("train.warmup_steps", &t.warmup_steps, "linear warm-up steps"),
@@ -92,8 +91,8 @@ std::vector<Entry> entries(Config& c) {
       entry("train.grad_clip", &t.grad_clip, "max global gradient norm; 0 = off"),
       entry("train.micro_batch", &t.micro_batch, "samples per micro-batch per rank"),
       entry("train.accum_steps", &t.accum_steps, "micro-batches per optimizer step"),
-      entry("train.precision", &t.precision, "fp32 | bf16 | fp16 (CUDA only)"),
-      entry("train.param_dtype", &t.param_dtype, "fp32 | bf16 (bf16 parameters, fp32 master weights in the optimizer)"),
+      entry("train.precision", &t.precision, choices::join(choices::precision) + " (fp16: CUDA only)"),
+      entry("train.param_dtype", &t.param_dtype, choices::join(choices::param_dtype) + " (bf16: bf16 parameters, fp32 master weights in the optimizer)"),
       entry("train.loss_scale_init", &t.loss_scale_init, "fp16: initial loss scale"),
       entry("train.loss_scale_growth", &t.loss_scale_growth, "fp16: scale multiplier after loss_scale_interval finite steps"),
       entry("train.loss_scale_backoff", &t.loss_scale_backoff, "fp16: scale multiplier after an inf/NaN step"),
@@ -106,12 +105,12 @@ std::vector<Entry> entries(Config& c) {
       entry("memory.checkpoint", &mem.checkpoint, "none | all | every:K | attn | mlp | budget:MiB"),
       entry("memory.offload", &mem.offload, "keep checkpointed block inputs in CPU memory"),
       entry("memory.head", &mem.head, "plain | fused | fused:ROWS (LM head + loss in chunks of ROWS tokens; the logits never exist whole)"),
-      entry("dist.backend", &dist.backend, "auto | gloo | nccl"),
+      entry("dist.backend", &dist.backend, choices::join(choices::backend)),
       entry("dist.timeout_s", &dist.timeout_s, "collective timeout in seconds"),
       entry("log.every", &l.every, "a log line every N steps"),
       entry("log.dir", &l.dir, "folder for run outputs"),
       entry("log.name", &l.name, "run name; empty = config file stem"),
-      entry("log.progress", &l.progress, "auto | bar | lines"),
+      entry("log.progress", &l.progress, choices::join(choices::progress)),
       entry("checkpoint.dir", &ck.dir, "where weights are saved; empty = <run>/checkpoints"),
       entry("checkpoint.every", &ck.every, "save weights every N steps; 0 = only at the end"),
       entry("checkpoint.save_final", &ck.save_final, "save weights when training ends"),
@@ -258,12 +257,12 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
 }
 
 namespace {
-void check_one_of(const std::string& key, const std::string& value, std::initializer_list<const char*> allowed) {
-  for (const char* a : allowed)
+template <size_t N>
+void check_one_of(const std::string& key, const std::string& value, const std::array<std::string_view, N>& allowed) {
+  for (auto a : allowed)
     if (value == a) return;
-  std::string list;
-  for (const char* a : allowed) list += (list.empty() ? "" : " | ") + std::string(a);
-  throw ConfigError(detail::concat("[config] ", key, " = '", value, "' is not allowed; expected one of: ", list));
+  throw ConfigError(detail::concat("[config] ", key, " = '", value, "' is not allowed; expected one of: ",
+                                   choices::join(allowed)));
 }
 
 template <class T>
@@ -274,8 +273,8 @@ void check_range(const std::string& key, T value, bool ok, const char* allowed) 
 }  // namespace
 
 void Config::validate() const {
-  check_one_of("model.name", model.name, {"gpt", "resnet", "mlp"});
-  check_one_of("model.preset", model.preset, {"custom", "tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"});
+  check_one_of("model.name", model.name, choices::model_name);
+  check_one_of("model.preset", model.preset, choices::gpt_preset);
   check_range("model.n_layer", model.n_layer, model.n_layer >= 1, ">= 1");
   check_range("model.n_head", model.n_head, model.n_head >= 1, ">= 1");
   check_range("model.n_embd", model.n_embd, model.n_embd >= 1 && model.n_embd % model.n_head == 0,
@@ -285,7 +284,7 @@ void Config::validate() const {
   check_range("model.dropout", model.dropout, model.dropout >= 0 && model.dropout < 1, "in [0, 1)");
   check_range("model.depth", model.depth, model.depth == 18 || model.depth == 50, "18 or 50");
   check_range("model.width", model.width, model.width >= 1, ">= 1");
-  check_one_of("model.stem", model.stem, {"small", "imagenet"});
+  check_one_of("model.stem", model.stem, choices::resnet_stem);
   {
     std::stringstream ss(model.hidden);
     std::string item;
@@ -300,10 +299,10 @@ void Config::validate() const {
                      "' is invalid: expected comma-separated positive integers, e.g. 256,128");
     }
   }
-  check_one_of("data.dataset", data.dataset, {"text", "fashion_mnist", "synthetic"});
+  check_one_of("data.dataset", data.dataset, choices::dataset);
   check_range("data.val_fraction", data.val_fraction, data.val_fraction >= 0 && data.val_fraction <= 0.5, "in [0, 0.5]");
-  check_one_of("train.device", train.device, {"cpu", "cuda", "auto"});
-  check_one_of("train.optimizer", train.optimizer, {"adamw", "adamw_loop", "sgd"});
+  check_one_of("train.device", train.device, choices::device);
+  check_one_of("train.optimizer", train.optimizer, choices::optimizer);
   check_range("train.lr", train.lr, train.lr > 0, "> 0");
   check_range("train.min_lr", train.min_lr, train.min_lr >= 0 && train.min_lr <= train.lr, "in [0, train.lr]");
   check_range("train.warmup_steps", train.warmup_steps, train.warmup_steps >= 0, ">= 0");
@@ -316,8 +315,8 @@ void Config::validate() const {
   check_range("train.grad_clip", train.grad_clip, train.grad_clip >= 0, ">= 0 (0 = off)");
   check_range("train.micro_batch", train.micro_batch, train.micro_batch >= 1, ">= 1");
   check_range("train.accum_steps", train.accum_steps, train.accum_steps >= 1, ">= 1");
-  check_one_of("train.precision", train.precision, {"fp32", "bf16", "fp16"});
-  check_one_of("train.param_dtype", train.param_dtype, {"fp32", "bf16"});
+  check_one_of("train.precision", train.precision, choices::precision);
+  check_one_of("train.param_dtype", train.param_dtype, choices::param_dtype);
   MEMTRAIN_CHECK(!(train.param_dtype == "bf16" && train.precision == "fp16"), ConfigError,
                  "[config] train.param_dtype = bf16 with train.precision = fp16 mixes two half types; use "
                  "precision bf16 (or fp32) with bf16 parameters");
@@ -331,10 +330,10 @@ void Config::validate() const {
   check_range("train.threads", train.threads, train.threads >= 0, ">= 0");
   CheckpointPolicy::parse(memory.checkpoint);
   parse_head_rows(memory.head);
-  check_one_of("dist.backend", dist.backend, {"auto", "gloo", "nccl"});
+  check_one_of("dist.backend", dist.backend, choices::backend);
   check_range("dist.timeout_s", dist.timeout_s, dist.timeout_s >= 1, ">= 1");
   check_range("log.every", log.every, log.every >= 1, ">= 1");
-  check_one_of("log.progress", log.progress, {"auto", "bar", "lines"});
+  check_one_of("log.progress", log.progress, choices::progress);
   check_range("checkpoint.every", checkpoint.every, checkpoint.every >= 0, ">= 0");
 }
 
@@ -359,6 +358,16 @@ std::string Config::help() {
   std::ostringstream os;
   for (const auto& e : entries(c)) os << "  --" << e.key << "=" << e.show() << "\n      " << e.help << "\n";
   return os.str();
+}
+
+int64_t parse_head_rows(const std::string& mode) {
+  if (mode == "plain") return -1;
+  if (mode == "fused") return 0;
+  const auto digits = mode.rfind("fused:", 0) == 0 ? mode.substr(6) : std::string();
+  const bool whole = !digits.empty() && digits.size() <= 9 && digits.find_first_not_of("0123456789") == std::string::npos;
+  MEMTRAIN_CHECK(whole && std::stoll(digits) >= 1, ConfigError, "[config] memory.head = '", mode,
+                 "' is not allowed; expected plain | fused | fused:ROWS (rows per chunk, >= 1)");
+  return std::stoll(digits);
 }
 
 }  // namespace memtrain

@@ -5,11 +5,37 @@
 //   std::cout << cfg.to_ini();
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace memtrain {
+
+// The allowed values of every enumerated key, written once: the validator, the factories, --help and
+// the docs read them from here.
+namespace choices {
+inline constexpr std::array<std::string_view, 3> model_name{"gpt", "resnet", "mlp"};
+inline constexpr std::array<std::string_view, 6> gpt_preset{"custom", "tiny", "gpt2", "gpt2-medium", "gpt2-large",
+                                                            "gpt2-xl"};
+inline constexpr std::array<std::string_view, 2> resnet_stem{"small", "imagenet"};
+inline constexpr std::array<std::string_view, 3> dataset{"text", "fashion_mnist", "synthetic"};
+inline constexpr std::array<std::string_view, 3> device{"cpu", "cuda", "auto"};
+inline constexpr std::array<std::string_view, 3> optimizer{"adamw", "adamw_loop", "sgd"};
+inline constexpr std::array<std::string_view, 3> precision{"fp32", "bf16", "fp16"};
+inline constexpr std::array<std::string_view, 2> param_dtype{"fp32", "bf16"};
+inline constexpr std::array<std::string_view, 3> backend{"auto", "gloo", "nccl"};
+inline constexpr std::array<std::string_view, 3> progress{"auto", "bar", "lines"};
+
+// "a | b | c", for messages and help.
+template <size_t N>
+std::string join(const std::array<std::string_view, N>& values) {
+  std::string out;
+  for (auto v : values) out.append(out.empty() ? "" : " | ").append(v);
+  return out;
+}
+}  // namespace choices
 
 struct ModelConfig {
   std::string name = "gpt";     // gpt | resnet | mlp
@@ -109,5 +135,9 @@ struct Config {
   // Every known key ("section.key") with its help text, for --help.
   static std::string help();
 };
+
+// The grammar of memory.head: plain -> -1 (no fusion), fused -> 0 (automatic chunks), fused:ROWS -> ROWS.
+// Throws ConfigError naming the value otherwise. Config::validate and the trainer both read it here.
+int64_t parse_head_rows(const std::string& mode);
 
 }  // namespace memtrain

@@ -19,14 +19,14 @@
 #include <string>
 #include <vector>
 
-#include "memtrain/checkpointing.h"
-#include "memtrain/config.h"
+#include "memtrain/runtime/checkpointing.h"
+#include "memtrain/core/config.h"
 #include "memtrain/data/datasets.h"
 #include "memtrain/distributed/world.h"
-#include "memtrain/memory_tracker.h"
+#include "memtrain/core/memory_tracker.h"
 #include "memtrain/models/model.h"
 #include "memtrain/optim/optimizer.h"
-#include "memtrain/precision.h"
+#include "memtrain/runtime/precision.h"
 
 namespace memtrain {
 

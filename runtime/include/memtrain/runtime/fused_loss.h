@@ -17,10 +17,6 @@ namespace memtrain {
 // fp32 tensor whose backward gives x and weight their gradients. Under autocast the matmuls run in
 // the autocast dtype and the softmax in fp32, as autocast does for linear + cross_entropy.
 // chunk_rows = 0 picks chunks of about 16 Mi logits (64 MiB in fp32; 333 tokens for GPT-2's vocabulary).
-// memory.head: plain -> -1 (no fusion), fused -> 0 (automatic chunks), fused:ROWS -> ROWS. Throws
-// ConfigError naming the value otherwise. Config::validate and the trainer both read it through this.
-int64_t parse_head_rows(const std::string& mode);
-
 torch::Tensor fused_linear_cross_entropy(const torch::Tensor& x, const torch::Tensor& weight,
                                          const torch::Tensor& target, int64_t chunk_rows = 0);
 

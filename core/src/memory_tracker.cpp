@@ -1,4 +1,4 @@
-#include "memtrain/memory_tracker.h"
+#include "memtrain/core/memory_tracker.h"
 
 #include <ATen/Context.h>
 #include <c10/core/CachingDeviceAllocator.h>
@@ -8,8 +8,8 @@
 #include <set>
 #include <sstream>
 
-#include "memtrain/error.h"
-#include "memtrain/memory.h"
+#include "memtrain/core/error.h"
+#include "memtrain/core/cpu_memory.h"
 
 namespace memtrain {
 

@@ -1,0 +1,31 @@
+// memtrain's public API in one include, for applications that embed it:
+//
+//   #include <memtrain/memtrain.h>
+//   int main() {
+//     memtrain::cpu_memory::install();   // before any tensor exists: CPU bytes are counted
+//     ...
+//   }
+//
+// Finer-grained headers live under memtrain/core, models, data, optim, distributed and runtime.
+#pragma once
+
+#include "memtrain/core/checkpoint_policy.h"
+#include "memtrain/core/config.h"
+#include "memtrain/core/cpu_memory.h"
+#include "memtrain/core/data_info.h"
+#include "memtrain/core/error.h"
+#include "memtrain/core/memory_tracker.h"
+#include "memtrain/core/safetensors.h"
+#include "memtrain/data/datasets.h"
+#include "memtrain/distributed/world.h"
+#include "memtrain/models/gpt.h"
+#include "memtrain/models/mlp.h"
+#include "memtrain/models/model.h"
+#include "memtrain/models/module_model.h"
+#include "memtrain/models/resnet.h"
+#include "memtrain/optim/optimizer.h"
+#include "memtrain/runtime/checkpointing.h"
+#include "memtrain/runtime/factories.h"
+#include "memtrain/runtime/fused_loss.h"
+#include "memtrain/runtime/precision.h"
+#include "memtrain/runtime/trainer.h"

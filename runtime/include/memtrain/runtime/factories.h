@@ -1,0 +1,26 @@
+// The factories that turn a Config into parts: the only place where the config's sections meet the
+// components' own options structs (GPTOptions, TextDataOptions, OptimizerOptions, ...). The components
+// below know nothing of Config; an embedder who builds parts by hand never needs these.
+//
+//   auto data = memtrain::make_dataset(cfg, {.rank = 0, .world = 1});
+//   auto model = memtrain::make_model(cfg.model, data->info());
+//   auto opt = memtrain::make_optimizer(memtrain::optimizer_options(cfg.train), model->named_parameters());
+#pragma once
+
+#include <memory>
+
+#include "memtrain/core/config.h"
+#include "memtrain/data/datasets.h"
+#include "memtrain/models/model.h"
+#include "memtrain/optim/optimizer.h"
+
+namespace memtrain {
+
+// model.name (choices::model_name) with its keys; the vocabulary or image shape from the data.
+std::shared_ptr<Model> make_model(const ModelConfig& config, const DataInfo& data);
+// data.dataset (choices::dataset); the GPT's context length from [model].
+std::unique_ptr<Dataset> make_dataset(const Config& config, const Shard& shard);
+// train.optimizer (choices::optimizer) and its hyper-parameters.
+OptimizerOptions optimizer_options(const TrainOptions& train);
+
+}  // namespace memtrain

@@ -1,0 +1,107 @@
+#include "memtrain/runtime/factories.h"
+
+#include <filesystem>
+#include <sstream>
+
+#include "memtrain/core/error.h"
+#include "memtrain/models/gpt.h"
+#include "memtrain/models/mlp.h"
+#include "memtrain/models/resnet.h"
+
+namespace memtrain {
+
+namespace fs = std::filesystem;
+
+namespace {
+// Each factory branches on values of one choices:: table; a value the table has and the factory does
+// not is a programming error, named here (tests build every value of every table).
+[[noreturn]] void unhandled(const char* key, const std::string& value) {
+  throw Error(detail::concat("[factory] ", key, " = '", value, "' is listed in choices:: but not built here"));
+}
+
+int64_t gpt_block_size(const ModelConfig& c) {
+  return c.preset == "custom" ? c.block_size : GPTOptions::preset(c.preset).block_size;
+}
+}  // namespace
+
+std::shared_ptr<Model> make_model(const ModelConfig& c, const DataInfo& data) {
+  if (c.name == "gpt") {
+    GPTOptions o;
+    if (c.preset != "custom") {
+      o = GPTOptions::preset(c.preset);
+    } else {
+      o.n_layer = c.n_layer, o.n_head = c.n_head, o.n_embd = c.n_embd, o.block_size = c.block_size;
+    }
+    o.dropout = c.dropout;
+    o.bias = c.bias;
+    if (c.vocab_size > 0) o.vocab_size = c.vocab_size;
+    else if (c.preset == "custom" || c.preset == "tiny") o.vocab_size = data.vocab_size;
+    MEMTRAIN_CHECK(o.vocab_size >= data.vocab_size, ConfigError, "[model] vocab_size ", o.vocab_size,
+                   " is smaller than the data's vocabulary (", data.vocab_size, " tokens)");
+    return std::make_shared<GPT>(o);
+  }
+  if (c.name == "resnet") {
+    ResNetOptions o;
+    o.depth = c.depth, o.width = c.width, o.stem = c.stem;
+    o.in_channels = data.channels, o.num_classes = data.num_classes, o.image_size = data.image_size;
+    return std::make_shared<ResNet>(o);
+  }
+  if (c.name == "mlp") {
+    MLPOptions o;
+    o.in_features = data.channels * data.image_size * data.image_size;
+    o.num_classes = data.num_classes;
+    o.hidden.clear();
+    std::stringstream ss(c.hidden);
+    for (std::string item; std::getline(ss, item, ',');) o.hidden.push_back(std::stoll(item));
+    return std::make_shared<MLP>(o);
+  }
+  unhandled("model.name", c.name);
+}
+
+std::unique_ptr<Dataset> make_dataset(const Config& c, const Shard& shard) {
+  const auto& d = c.data;
+  if (d.dataset == "text") {
+    MEMTRAIN_CHECK(c.model.name == "gpt", ConfigError, "[config] data.dataset = text needs model.name = gpt, got '",
+                   c.model.name, "'");
+    TextDataOptions o;
+    o.path = d.path.empty() ? (fs::path(default_data_dir()) / "text" / "austen.txt").string() : d.path;
+    o.block_size = gpt_block_size(c.model);
+    o.val_fraction = d.val_fraction, o.seed = c.train.seed, o.accum_steps = c.train.accum_steps;
+    return make_text_dataset(o, shard);
+  }
+  if (d.dataset == "fashion_mnist") {
+    MEMTRAIN_CHECK(c.model.name != "gpt", ConfigError,
+                   "[config] data.dataset = fashion_mnist needs an image model (resnet | mlp), got 'gpt'");
+    FashionMnistOptions o;
+    o.root = d.path.empty() ? (fs::path(default_data_dir()) / "fashion-mnist").string() : d.path;
+    o.val_fraction = d.val_fraction, o.seed = c.train.seed, o.accum_steps = c.train.accum_steps;
+    return make_fashion_mnist(o, shard);
+  }
+  if (d.dataset == "synthetic") {
+    SyntheticDataOptions o;
+    o.seed = c.train.seed;
+    o.text = c.model.name == "gpt";
+    if (o.text) {
+      const bool gpt2_vocab = c.model.preset != "custom" && c.model.preset != "tiny";
+      o.info.vocab_size = c.model.vocab_size > 0 ? c.model.vocab_size : (gpt2_vocab ? 50257 : 256);
+      o.block_size = gpt_block_size(c.model);
+    } else {
+      o.info = DataInfo{};  // Fashion-MNIST's shape: 1 x 28 x 28, 10 classes
+    }
+    return make_synthetic_dataset(o, shard);
+  }
+  unhandled("data.dataset", d.dataset);
+}
+
+OptimizerOptions optimizer_options(const TrainOptions& t) {
+  OptimizerOptions o;
+  if (t.optimizer == "adamw") o.kind = OptimizerOptions::Kind::kAdamW;
+  else if (t.optimizer == "adamw_loop") o.kind = OptimizerOptions::Kind::kAdamWLoop;
+  else if (t.optimizer == "sgd") o.kind = OptimizerOptions::Kind::kSgd;
+  else unhandled("train.optimizer", t.optimizer);
+  o.lr = t.lr, o.weight_decay = t.weight_decay, o.beta1 = t.beta1, o.beta2 = t.beta2, o.eps = t.eps;
+  o.momentum = t.momentum;
+  return o;
+}
+
+}  // namespace memtrain
