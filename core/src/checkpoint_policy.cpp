@@ -9,10 +9,10 @@
 namespace memtrain {
 
 CheckpointPolicy CheckpointPolicy::parse(const std::string& text) {
-  // The one grammar of memory.checkpoint: Config::validate calls this too.
+  // The one grammar of memory.recompute: Config::validate calls this too.
   CheckpointPolicy p;
   const std::string allowed = "expected none | all | every:K (whole K >= 1) | attn | mlp | budget:MiB (> 0)";
-  auto bad = [&] { return ConfigError("[config] memory.checkpoint = '" + text + "' is not allowed; " + allowed); };
+  auto bad = [&] { return ConfigError("[config] memory.recompute = '" + text + "' is not allowed; " + allowed); };
   if (text == "none") {
     p.mode = Mode::kNone;
   } else if (text == "all") {

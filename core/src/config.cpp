@@ -1,6 +1,7 @@
 #include "memtrain/core/config.h"
 
 #include <algorithm>
+#include <charconv>
 #include <boost/program_options.hpp>
 #include <filesystem>
 #include <fstream>
@@ -20,30 +21,35 @@ namespace {
 
 // One config key: how Boost parses it into the struct, and how to print it back.
 struct Entry {
-  std::string key;  // "section.key"
+  std::string key;    // "section.key"
   std::string help;
+  std::string group;  // model keys: the model they belong to (gpt | resnet | mlp); "" for all
   std::function<void(po::options_description&)> declare;
   std::function<std::string()> show;
 };
 
 template <class T>
 std::string show_value(const T& v) {
-  std::ostringstream os;
   if constexpr (std::is_same_v<T, bool>) {
-    os << (v ? "true" : "false");
+    return v ? "true" : "false";
   } else if constexpr (std::is_floating_point_v<T>) {
-    os << std::setprecision(std::numeric_limits<T>::max_digits10) << v;  // reads back to the same value
+    // The shortest text that reads back to the same double: 0.1, not 0.10000000000000001.
+    char buf[64];
+    auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
+    return std::string(buf, end);
   } else {
+    std::ostringstream os;
     os << v;
+    return os.str();
   }
-  return os.str();
 }
 
 template <class T>
-Entry entry(std::string key, T* field, std::string help) {
+Entry entry(std::string key, T* field, std::string help, std::string group = "") {
   Entry e;
   e.key = key;
   e.help = help;
+  e.group = group;
   e.declare = [key, field, help](po::options_description& d) {
     d.add_options()(key.c_str(), po::value<T>(field)->default_value(*field, show_value(*field)),
                     help.c_str());
@@ -62,18 +68,18 @@ std::vector<Entry> entries(Config& c) {
   auto& ck = c.checkpoint;
   return {
       entry("model.name", &m.name, choices::join(choices::model_name)),
-      entry("model.preset", &m.preset, "gpt size: " + choices::join(choices::gpt_preset)),
-      entry("model.n_layer", &m.n_layer, "gpt: transformer blocks (preset = custom only)"),
-      entry("model.n_head", &m.n_head, "gpt: attention heads (preset = custom only)"),
-      entry("model.n_embd", &m.n_embd, "gpt: embedding width (preset = custom only)"),
-      entry("model.block_size", &m.block_size, "gpt: context length in tokens (preset = custom only)"),
-      entry("model.vocab_size", &m.vocab_size, "gpt: vocabulary; 0 = from the data"),
-      entry("model.dropout", &m.dropout, "dropout probability"),
-      entry("model.bias", &m.bias, "gpt: biases in Linear and LayerNorm"),
-      entry("model.depth", &m.depth, "resnet: 18 | 50"),
-      entry("model.width", &m.width, "resnet: channels of the first stage"),
-      entry("model.stem", &m.stem, "resnet: " + choices::join(choices::resnet_stem)),
-      entry("model.hidden", &m.hidden, "mlp: comma-separated hidden widths"),
+      entry("model.preset", &m.preset, choices::join(choices::gpt_preset) + " (a preset fixes n_layer, n_head, n_embd, block_size)", "gpt"),
+      entry("model.n_layer", &m.n_layer, "transformer blocks (preset = custom only)", "gpt"),
+      entry("model.n_head", &m.n_head, "attention heads (preset = custom only)", "gpt"),
+      entry("model.n_embd", &m.n_embd, "embedding width (preset = custom only)", "gpt"),
+      entry("model.block_size", &m.block_size, "context length in tokens (preset = custom only)", "gpt"),
+      entry("model.vocab_size", &m.vocab_size, "vocabulary; 0 = from the data", "gpt"),
+      entry("model.dropout", &m.dropout, "dropout probability (attention, residual and embedding)", "gpt"),
+      entry("model.bias", &m.bias, "biases in the Linear layers", "gpt"),
+      entry("model.depth", &m.depth, "18 | 50", "resnet"),
+      entry("model.width", &m.width, "channels of the first stage", "resnet"),
+      entry("model.stem", &m.stem, choices::join(choices::resnet_stem) + " (small: 3x3 stem for 28x28 images)", "resnet"),
+      entry("model.hidden", &m.hidden, "comma-separated hidden widths", "mlp"),
       entry("data.dataset", &d.dataset, choices::join(choices::dataset)),
       entry("data.path", &d.path, "text file or Fashion-MNIST folder; empty = prepared cache"),
       entry("data.val_fraction", &d.val_fraction, "fraction held out for validation, in [0, 0.5]"),
@@ -102,8 +108,8 @@ std::vector<Entry> entries(Config& c) {
       entry("train.eval_batches", &t.eval_batches, "validation batches per evaluation"),
       entry("train.threads", &t.threads, "intra-op CPU threads; 0 = LibTorch default"),
       entry("memory.track", &mem.track, "record per-step peak memory"),
-      entry("memory.checkpoint", &mem.checkpoint, "none | all | every:K | attn | mlp | budget:MiB"),
-      entry("memory.offload", &mem.offload, "keep checkpointed block inputs in CPU memory"),
+      entry("memory.recompute", &mem.recompute, "activation recomputation (checkpointing): none | all | every:K | attn | mlp | budget:MiB"),
+      entry("memory.offload", &mem.offload, "keep recomputed blocks' inputs in pinned CPU memory (CUDA)"),
       entry("memory.head", &mem.head, "plain | fused | fused:ROWS (LM head + loss in chunks of ROWS tokens; the logits never exist whole)"),
       entry("dist.backend", &dist.backend, choices::join(choices::backend)),
       entry("dist.timeout_s", &dist.timeout_s, "collective timeout in seconds"),
@@ -180,12 +186,56 @@ std::string known_keys_hint(const std::vector<Entry>& all, const std::string& ba
 
 }  // namespace
 
-Config Config::load(const std::string& path, const std::vector<std::string>& overrides) {
+namespace {
+
+// Keys that were renamed: the old name is an error that names the new one.
+const std::map<std::string, std::string>& renamed_keys() {
+  static const std::map<std::string, std::string> renamed = {
+      {"memory.checkpoint", "memory.recompute (activation recomputation; [checkpoint] is about saving)"},
+  };
+  return renamed;
+}
+
+void refuse_renamed(const std::string& key, const std::string& where) {
+  auto it = renamed_keys().find(key);
+  if (it != renamed_keys().end())
+    throw ConfigError(detail::concat("[config] ", where, ": '", key, "' was renamed: use ", it->second));
+}
+
+// "--a.b=1 --c.d 2 --a.b=3" -> "--c.d 2 --a.b=3": the last value of a key wins, as in torchrun, argparse
+// and Hydra, so a script can append an override to a command line that already has one.
+std::vector<std::string> last_override_wins(const std::vector<std::string>& args) {
+  std::vector<std::pair<std::string, std::vector<std::string>>> groups;  // (key, tokens)
+  for (size_t i = 0; i < args.size(); ++i) {
+    const auto& a = args[i];
+    if (a.rfind("--", 0) != 0) {  // a stray value: leave it to Boost to report
+      groups.push_back({"", {a}});
+      continue;
+    }
+    const auto eq = a.find('=');
+    std::vector<std::string> tokens{a};
+    if (eq == std::string::npos && i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0) tokens.push_back(args[++i]);
+    groups.push_back({a.substr(2, eq == std::string::npos ? std::string::npos : eq - 2), tokens});
+  }
+  std::vector<std::string> out;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& key = groups[g].first;
+    bool later = false;
+    for (size_t h = g + 1; h < groups.size() && !key.empty(); ++h) later = later || groups[h].first == key;
+    if (!later) out.insert(out.end(), groups[g].second.begin(), groups[g].second.end());
+  }
+  return out;
+}
+
+}  // namespace
+
+Config Config::load(const std::string& path, const std::vector<std::string>& raw_overrides) {
   Config c;
   c.source = path;
   auto all = entries(c);
   po::options_description desc;
   for (const auto& e : all) e.declare(desc);
+  const auto overrides = last_override_wins(raw_overrides);
 
   po::variables_map vm;
   // Command-line overrides first: Boost keeps the first value stored for a key.
@@ -198,23 +248,25 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
     auto key = e.get_option_name();
     if (key.rfind("--", 0) == 0) key = key.substr(2);
     key = key.substr(0, key.find('='));
+    refuse_renamed(key, "command line");
     throw ConfigError(detail::concat("[config] command line: unknown option '--", key, "'",
                                      known_keys_hint(all, key)));
   } catch (const po::error& e) {
     throw ConfigError(detail::concat("[config] command line: ", e.what()));
   }
 
+  std::map<std::string, Location> where;  // key -> line in the file
+  auto at = [&](const std::string& key) {
+    auto it = where.find(key);
+    return it == where.end() ? path : detail::concat(path, ":", it->second.line);
+  };
   if (!path.empty()) {
     std::error_code ec;
     MEMTRAIN_CHECK(std::filesystem::is_regular_file(path, ec), ConfigError, "[config] cannot open config file '",
                    path, "': ", std::filesystem::exists(path, ec) ? "not a regular file" : "no such file");
     std::ifstream in(path);
     MEMTRAIN_CHECK(in.good(), ConfigError, "[config] cannot read config file '", path, "'");
-    auto where = scan_ini(path);
-    auto at = [&](const std::string& key) {
-      auto it = where.find(key);
-      return it == where.end() ? path : detail::concat(path, ":", it->second.line);
-    };
+    where = scan_ini(path);
     try {
       po::store(po::parse_config_file(in, desc, /*allow_unregistered=*/false), vm);
     } catch (const po::unknown_option& e) {
@@ -222,6 +274,7 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
       MEMTRAIN_CHECK(key.find('.') != std::string::npos, ConfigError, "[config] ", at(key), ": key '", key,
                      "' is outside any section; put it under one of [model] [data] [train] [memory] [dist] [log] "
                      "[checkpoint]");
+      refuse_renamed(key, at(key));
       throw ConfigError(detail::concat("[config] ", at(key), ": unknown key '", key.substr(key.find('.') + 1),
                                        "' in section [", key.substr(0, key.find('.')), "]",
                                        known_keys_hint(all, key)));
@@ -239,20 +292,57 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   } catch (const po::error& e) {
     throw ConfigError(detail::concat("[config] ", e.what()));
   }
+  // Where a key's value came from, for messages: the command line, the file's line, or the default.
+  auto origin = [&](const std::string& key) -> std::string {
+    auto on_cmdline = std::any_of(overrides.begin(), overrides.end(),
+                                  [&](const std::string& o) { return o.rfind("--" + key, 0) == 0; });
+    if (on_cmdline) return "set on the command line";
+    if (where.count(key)) return detail::concat("set at ", path, ":", where[key].line);
+    return "the default";
+  };
+  auto given = [&](const std::string& key) { return vm.count(key) && !vm[key].defaulted(); };
+
   try {
     c.validate();
   } catch (const ConfigError& e) {
-    // Say where the offending key was set: the command line, the file's line, or the default.
     std::string msg = e.what();
     const auto begin = std::string("[config] ").size();
     const auto key = msg.substr(begin, msg.find(' ', begin) - begin);
-    auto on_cmdline = std::any_of(overrides.begin(), overrides.end(),
-                                  [&](const std::string& o) { return o.rfind("--" + key, 0) == 0; });
-    auto where = path.empty() ? std::map<std::string, Location>{} : scan_ini(path);
-    if (on_cmdline) msg += " (set on the command line)";
-    else if (where.count(key)) msg += detail::concat(" (set at ", path, ":", where[key].line, ")");
+    if (given(key)) msg += " (" + origin(key) + ")";
     throw ConfigError(msg);
   }
+
+  // A GPT preset fixes the shape: a shape key beside it would be silently ignored.
+  if (c.model.name == "gpt" && c.model.preset != "custom") {
+    for (const char* key : {"model.n_layer", "model.n_head", "model.n_embd", "model.block_size"}) {
+      MEMTRAIN_CHECK(!given(key), ConfigError, "[config] model.preset = ", c.model.preset, " (", origin("model.preset"),
+                     ") fixes the model's shape, but ", key, " = ", vm[key].as<int64_t>(), " is also given (",
+                     origin(key), "): remove ", key, " or set model.preset = custom");
+    }
+  }
+
+  // Settings that do nothing in this combination: one line each.
+  auto warn = [&](const std::string& text) { c.warnings.push_back("[config] " + text); };
+  for (const auto& e : all) {
+    if (!e.group.empty() && e.group != c.model.name && given(e.key))
+      warn(detail::concat(e.key, " (", origin(e.key), ") is a ", e.group, " key; model.name = ", c.model.name,
+                          " ignores it"));
+  }
+  if (c.memory.offload && c.memory.recompute == "none")
+    warn(detail::concat("memory.offload = true (", origin("memory.offload"),
+                        ") does nothing without activation recomputation (memory.recompute = none)"));
+  if (c.dist.backend == "nccl" && c.train.device == "cpu")
+    warn(detail::concat("dist.backend = nccl (", origin("dist.backend"),
+                        ") does nothing with train.device = cpu: NCCL moves CUDA tensors; CPU tensors go through Gloo"));
+  if (c.train.precision != "fp16") {
+    for (const char* key : {"train.loss_scale_init", "train.loss_scale_growth", "train.loss_scale_backoff",
+                            "train.loss_scale_interval"})
+      if (given(key))
+        warn(detail::concat(key, " (", origin(key), ") applies to train.precision = fp16 only; this run is ",
+                            c.train.precision));
+  }
+  if (c.train.optimizer != "sgd" && given("train.momentum"))
+    warn(detail::concat("train.momentum (", origin("train.momentum"), ") applies to train.optimizer = sgd only"));
   return c;
 }
 
@@ -328,7 +418,7 @@ void Config::validate() const {
   check_range("train.eval_every", train.eval_every, train.eval_every >= 0, ">= 0");
   check_range("train.eval_batches", train.eval_batches, train.eval_batches >= 1, ">= 1");
   check_range("train.threads", train.threads, train.threads >= 0, ">= 0");
-  CheckpointPolicy::parse(memory.checkpoint);
+  CheckpointPolicy::parse(memory.recompute);
   parse_head_rows(memory.head);
   check_one_of("dist.backend", dist.backend, choices::backend);
   check_range("dist.timeout_s", dist.timeout_s, dist.timeout_s >= 1, ">= 1");
@@ -343,6 +433,7 @@ std::string Config::to_ini() const {
   std::string section;
   if (!source.empty()) os << "# resolved from " << source << "\n";
   for (const auto& e : all) {
+    if (!e.group.empty() && e.group != model.name) continue;  // another model's keys
     auto s = e.key.substr(0, e.key.find('.'));
     if (s != section) {
       os << (section.empty() ? "" : "\n") << "[" << s << "]\n";
@@ -353,10 +444,56 @@ std::string Config::to_ini() const {
   return os.str();
 }
 
+namespace {
+// Calls fn(section, group, entries) for each section and, in [model], each model's group of keys.
+template <class Fn>
+void for_each_group(const std::vector<Entry>& all, Fn&& fn) {
+  std::vector<std::pair<std::string, std::string>> order;  // (section, group) in first-seen order
+  for (const auto& e : all) {
+    std::pair<std::string, std::string> g{e.key.substr(0, e.key.find('.')), e.group};
+    if (std::find(order.begin(), order.end(), g) == order.end()) order.push_back(g);
+  }
+  for (const auto& [section, group] : order) {
+    std::vector<const Entry*> members;
+    for (const auto& e : all)
+      if (e.key.substr(0, e.key.find('.')) == section && e.group == group) members.push_back(&e);
+    fn(section, group, members);
+  }
+}
+}  // namespace
+
 std::string Config::help() {
   Config c;
   std::ostringstream os;
-  for (const auto& e : entries(c)) os << "  --" << e.key << "=" << e.show() << "\n      " << e.help << "\n";
+  for_each_group(entries(c), [&](const std::string& section, const std::string& group,
+                                 const std::vector<const Entry*>& members) {
+    os << "\n[" << section << "]" << (group.empty() ? "" : " model.name = " + group + ":") << "\n";
+    for (const auto* e : members) os << "  --" << e->key << "=" << e->show() << "\n      " << e->help << "\n";
+  });
+  return os.str();
+}
+
+std::string Config::reference_markdown() {
+  Config c;
+  std::ostringstream os;
+  os << "# memtrain configuration reference\n\n"
+     << "Generated from the code's own option table by `memtrain --print-config-reference`; the test\n"
+     << "`Config.ReferencePageIsCurrent` fails when this page and the binary disagree.\n\n"
+     << "Every key sits in an INI section and can be overridden on the command line as `--section.key=value`\n"
+     << "(the last value of a key wins). Model keys apply to the model they are listed under; a run of\n"
+     << "another model ignores them (with a warning when they are set).\n";
+  for_each_group(entries(c), [&](const std::string& section, const std::string& group,
+                                 const std::vector<const Entry*>& members) {
+    if (group.empty()) os << "\n## [" << section << "]\n\n";
+    else os << "\n### [" << section << "] for model.name = " << group << "\n\n";
+    os << "| key | default | meaning |\n|---|---|---|\n";
+    for (const auto* e : members) {
+      auto shown = e->show();
+      std::string help;  // a '|' inside a table cell is escaped
+      for (char ch : e->help) help += ch == '|' ? std::string("\\|") : std::string(1, ch);
+      os << "| `" << e->key << "` | " << (shown.empty() ? "(empty)" : "`" + shown + "`") << " | " << help << " |\n";
+    }
+  });
   return os.str();
 }
 

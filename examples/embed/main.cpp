@@ -80,7 +80,7 @@ memtrain::Config config_for(const std::string& name, int64_t steps) {
   c.train.lr = 3e-3;
   c.train.min_lr = 3e-4;
   c.train.warmup_steps = 10;
-  c.memory.checkpoint = "all";
+  c.memory.recompute = "all";
   c.log.dir = (std::filesystem::temp_directory_path() / "memtrain-embed").string();
   c.log.name = name;
   c.validate();  // the same checks as a config file gets

@@ -298,7 +298,7 @@ BlockActivationProfile profile_block_activations(Model& model, const std::functi
 
 std::vector<bool> plan_checkpoint_budget(const BlockActivationProfile& profile, int64_t budget_bytes) {
   const auto n = profile.activation_bytes.size();
-  MEMTRAIN_CHECK(profile.all_checkpointed_peak <= budget_bytes, ConfigError, "[checkpoint] memory.checkpoint = budget:",
+  MEMTRAIN_CHECK(profile.all_checkpointed_peak <= budget_bytes, ConfigError, "[checkpoint] memory.recompute = budget:",
                  budget_bytes / (1024.0 * 1024.0), " MiB cannot be met: with every block checkpointed the activation "
                  "peak is ", format_bytes(profile.all_checkpointed_peak), "; the smallest feasible budget is budget:",
                  std::ceil(profile.all_checkpointed_peak / (1024.0 * 1024.0) * 100) / 100);

@@ -97,12 +97,12 @@ void Trainer::setup() {
                                            device_);
   }
 
-  policy_ = CheckpointPolicy::parse(config_.memory.checkpoint);
+  policy_ = CheckpointPolicy::parse(config_.memory.recompute);
   policy_.offload = config_.memory.offload;
   if (policy_.mode == CheckpointPolicy::Mode::kPart) {
     auto parts = model_->part_names();
     MEMTRAIN_CHECK(std::find(parts.begin(), parts.end(), policy_.part) != parts.end(), ConfigError,
-                   "[config] memory.checkpoint = ", policy_.part, ": this model's blocks have no '", policy_.part,
+                   "[config] memory.recompute = ", policy_.part, ": this model's blocks have no '", policy_.part,
                    "' part (selective checkpointing needs a transformer; use all or every:K)");
   }
 

@@ -122,24 +122,24 @@ def main():
 
     techniques = [  # (label, group, memtrain overrides)
         ("none (fp32)", "fp32", []),
-        ("checkpoint all", "fp32", ["--memory.checkpoint=all"]),
-        ("checkpoint every:2", "fp32", ["--memory.checkpoint=every:2"]),
-        ("checkpoint attn (selective)", "fp32", ["--memory.checkpoint=attn"]),
-        ("checkpoint mlp (selective)", "fp32", ["--memory.checkpoint=mlp"]),
+        ("checkpoint all", "fp32", ["--memory.recompute=all"]),
+        ("checkpoint every:2", "fp32", ["--memory.recompute=every:2"]),
+        ("checkpoint attn (selective)", "fp32", ["--memory.recompute=attn"]),
+        ("checkpoint mlp (selective)", "fp32", ["--memory.recompute=mlp"]),
         (f"{half} autocast", "fp32", [f"--train.precision={half}"]),
         (f"accumulation 4 x {s['micro_batch'] // 4}", "fp32",
          [f"--train.micro_batch={s['micro_batch'] // 4}", "--train.accum_steps=4"]),
         (f"{half} + checkpoint all + accumulation 4", "fp32",
-         [f"--train.precision={half}", "--memory.checkpoint=all", f"--train.micro_batch={s['micro_batch'] // 4}",
+         [f"--train.precision={half}", "--memory.recompute=all", f"--train.micro_batch={s['micro_batch'] // 4}",
           "--train.accum_steps=4"]),
     ]
     techniques += [("fused head (linear + loss in chunks)", "fp32", ["--memory.head=fused"]),
-                   ("checkpoint all + fused head", "fp32", ["--memory.checkpoint=all", "--memory.head=fused"])]
+                   ("checkpoint all + fused head", "fp32", ["--memory.recompute=all", "--memory.head=fused"])]
     if cuda:
-        techniques += [("bf16 + checkpoint all", "fp32", ["--train.precision=bf16", "--memory.checkpoint=all"]),
+        techniques += [("bf16 + checkpoint all", "fp32", ["--train.precision=bf16", "--memory.recompute=all"]),
                        ("bf16 + fused head", "fp32", ["--train.precision=bf16", "--memory.head=fused"]),
                        ("bf16 + checkpoint all + fused head", "fp32",
-                        ["--train.precision=bf16", "--memory.checkpoint=all", "--memory.head=fused"]),
+                        ["--train.precision=bf16", "--memory.recompute=all", "--memory.head=fused"]),
                        ("fp16 + loss scaling", "fp32", ["--train.precision=fp16"])]
     if a.quick:
         techniques = techniques[:2]
@@ -156,7 +156,7 @@ def main():
         budget = round((base["act"] + results["checkpoint all"]["act"]) / 2 / 2**20)  # whole MiB: what runs is what is checked
         label = f"checkpoint budget:{budget:.0f} MiB"
         r = guarded(label, failures, run_memtrain, a.build, a.device, s, "budget",
-                    [f"--memory.checkpoint=budget:{budget:.0f}"], work)
+                    [f"--memory.recompute=budget:{budget:.0f}"], work)
         if r:
             r["budget"] = budget * 2**20
             results[label] = r

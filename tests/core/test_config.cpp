@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <fstream>
 
 #include "helpers.h"
 #include "memtrain/core/config.h"
@@ -26,17 +28,18 @@ TEST(Config, ExampleConfigsParse) {
 TEST(Config, FileValuesAndOverrides) {
   TempDir dir;
   auto path = dir.file("a.ini", "[train]\nlr = 0.005\nsteps = 7\n[model]\nname = mlp\n");
-  auto c = Config::load(path, {"--train.steps=9", "--memory.checkpoint", "every:2"});
+  auto c = Config::load(path, {"--train.steps=9", "--memory.recompute", "every:2"});
   EXPECT_DOUBLE_EQ(c.train.lr, 0.005);
   EXPECT_EQ(c.train.steps, 9);  // the command line wins over the file
   EXPECT_EQ(c.model.name, "mlp");
-  EXPECT_EQ(c.memory.checkpoint, "every:2");
+  EXPECT_EQ(c.memory.recompute, "every:2");
   EXPECT_EQ(c.train.micro_batch, TrainOptions{}.micro_batch);  // untouched keys keep their defaults
 }
 
 TEST(Config, ResolvedConfigRoundTrips) {
   TempDir dir;
-  auto c = Config::load("", {"--train.lr=0.0125", "--model.hidden=64,32", "--log.name=x", "--train.precision=bf16"});
+  auto c = Config::load("", {"--train.lr=0.0125", "--model.name=mlp", "--data.dataset=synthetic", "--model.hidden=64,32",
+                             "--log.name=x", "--train.precision=bf16"});
   auto path = dir.file("resolved.ini", c.to_ini());
   auto back = Config::load(path);
   EXPECT_DOUBLE_EQ(back.train.lr, 0.0125);
@@ -105,11 +108,11 @@ TEST(Config, OutOfRangeNamesRange) {
 
 TEST(Config, BadCheckpointPolicies) {
   for (const char* bad : {"every:0", "every:1.5", "budget:abc", "budget:-3", "sometimes"}) {
-    auto msg = error_of([&] { Config::load("", {std::string("--memory.checkpoint=") + bad}); });
-    EXPECT_NE(msg.find("memory.checkpoint = '" + std::string(bad) + "'"), std::string::npos) << msg;
+    auto msg = error_of([&] { Config::load("", {std::string("--memory.recompute=") + bad}); });
+    EXPECT_NE(msg.find("memory.recompute = '" + std::string(bad) + "'"), std::string::npos) << msg;
   }
   for (const char* good : {"none", "all", "every:3", "attn", "mlp", "budget:12.5"})
-    EXPECT_NO_THROW(Config::load("", {std::string("--memory.checkpoint=") + good})) << good;
+    EXPECT_NO_THROW(Config::load("", {std::string("--memory.recompute=") + good})) << good;
 }
 
 TEST(Config, MissingFileIsNamed) {
@@ -126,6 +129,80 @@ TEST(Config, UnknownCommandLineOption) {
 TEST(Config, ErrorsAreConfigErrors) {
   EXPECT_THROW(Config::load("", {"--train.lr=-1"}), ConfigError);
   EXPECT_THROW(Config::load("/nope.ini"), ConfigError);
+}
+
+TEST(Config, ReferencePageIsCurrent) {
+  // docs/config-reference.md is what `memtrain --print-config-reference` prints; regenerate it with
+  //   build/memtrain --print-config-reference > docs/config-reference.md
+  std::ifstream in(test::source("docs/config-reference.md"));
+  ASSERT_TRUE(in.good()) << "docs/config-reference.md is missing";
+  std::string page((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(page, Config::reference_markdown()) << "docs/config-reference.md is stale: regenerate it";
+}
+
+TEST(Config, NumbersPrintInTheirShortestExactForm) {
+  auto c = Config::load("", {"--train.lr=0.1", "--model.dropout=0.3"});
+  auto ini = c.to_ini();
+  EXPECT_NE(ini.find("\nlr = 0.1\n"), std::string::npos) << ini;
+  EXPECT_NE(ini.find("\ndropout = 0.3\n"), std::string::npos) << ini;
+  EXPECT_NE(ini.find("\nmin_lr = 1e-04\n"), std::string::npos) << ini;  // to_chars: the shorter of the two forms
+  EXPECT_NE(Config::help().find("--train.lr=0.001\n"), std::string::npos);
+  EXPECT_EQ(Config::help().find("0000000"), std::string::npos) << "a number printed with all 17 digits";
+}
+
+TEST(Config, PrintedConfigListsOnlyTheChosenModelsKeys) {
+  auto gpt = Config::load("").to_ini();
+  EXPECT_NE(gpt.find("n_layer = "), std::string::npos);
+  for (const char* other : {"depth = ", "stem = ", "hidden = "}) EXPECT_EQ(gpt.find(other), std::string::npos) << other;
+  auto mlp = Config::load("", {"--model.name=mlp", "--data.dataset=synthetic"}).to_ini();
+  EXPECT_NE(mlp.find("hidden = "), std::string::npos);
+  for (const char* other : {"n_layer = ", "preset = ", "depth = "}) EXPECT_EQ(mlp.find(other), std::string::npos) << other;
+  // --help groups the model keys by model.
+  EXPECT_NE(Config::help().find("[model] model.name = resnet:\n  --model.depth=18"), std::string::npos) << Config::help();
+}
+
+TEST(Config, PresetBesideAShapeKeyIsAnErrorNamingBoth) {
+  auto msg = error_of([] { Config::load("", {"--model.preset=gpt2", "--model.n_layer=6"}); });
+  EXPECT_NE(msg.find("model.preset = gpt2 (set on the command line) fixes the model's shape, but model.n_layer = 6"),
+            std::string::npos)
+      << msg;
+  TempDir dir;
+  auto path = dir.file("p.ini", "[model]\npreset = gpt2\nblock_size = 256\n");
+  msg = error_of([&] { Config::load(path); });
+  EXPECT_NE(msg.find("model.block_size = 256 is also given (set at " + path + ":3)"), std::string::npos) << msg;
+  EXPECT_NO_THROW(Config::load("", {"--model.preset=gpt2", "--model.dropout=0.1"}));  // not a shape key
+}
+
+TEST(Config, SettingsThatDoNothingWarnOnce) {
+  auto has = [](const Config& c, const std::string& text) {
+    return std::any_of(c.warnings.begin(), c.warnings.end(),
+                       [&](const std::string& w) { return w.find(text) != std::string::npos; });
+  };
+  EXPECT_TRUE(Config::load("").warnings.empty());
+  auto c = Config::load("", {"--memory.offload=true"});
+  EXPECT_TRUE(has(c, "memory.offload = true (set on the command line) does nothing without activation recomputation"));
+  EXPECT_FALSE(has(Config::load("", {"--memory.offload=true", "--memory.recompute=all"}), "memory.offload"));
+  c = Config::load("", {"--dist.backend=nccl"});
+  EXPECT_TRUE(has(c, "dist.backend = nccl (set on the command line) does nothing with train.device = cpu"));
+  c = Config::load("", {"--model.name=mlp", "--data.dataset=synthetic", "--model.n_layer=8"});
+  EXPECT_TRUE(has(c, "model.n_layer (set on the command line) is a gpt key; model.name = mlp ignores it"));
+  EXPECT_EQ(c.warnings.size(), 1u);
+}
+
+TEST(Config, OldRecomputeKeyNamesTheNewOne) {
+  auto msg = error_of([] { Config::load("", {"--memory.checkpoint=all"}); });
+  EXPECT_NE(msg.find("'memory.checkpoint' was renamed: use memory.recompute"), std::string::npos) << msg;
+  TempDir dir;
+  auto path = dir.file("old.ini", "[memory]\ncheckpoint = all\n");
+  msg = error_of([&] { Config::load(path); });
+  EXPECT_NE(msg.find(path + ":2: 'memory.checkpoint' was renamed: use memory.recompute"), std::string::npos) << msg;
+}
+
+TEST(Config, TheLastValueOfARepeatedKeyWins) {
+  EXPECT_EQ(Config::load("", {"--train.steps=3", "--train.steps=5"}).train.steps, 5);
+  auto c = Config::load("", {"--train.steps", "3", "--train.lr=0.5", "--train.steps=7", "--train.lr", "0.25"});
+  EXPECT_EQ(c.train.steps, 7);
+  EXPECT_EQ(c.train.lr, 0.25);
 }
 
 }  // namespace

@@ -74,7 +74,7 @@ TEST(ModuleModel, StemBlocksHeadWithOwnLossAndFlops) {
 TEST(ModuleModel, TrainerTrainsAWrappedSequentialAndReportsNoFlopsWhenUnknown) {
   auto c = test::tiny_gpt_config();
   c.model.name = "mlp";  // unused: the model is the application's
-  c.memory.checkpoint = "all";
+  c.memory.recompute = "all";
   c.train.accum_steps = 2;
   c.train.steps = 3;
   c.log.name = "module-model";

@@ -114,7 +114,7 @@ TEST(Checkpointing, OffloadGivesTheSameGradients) {
 Config eight_block_config(const std::string& policy) {
   auto c = test::tiny_gpt_config(8);
   c.model.n_embd = 64, c.model.n_head = 4, c.model.block_size = 128, c.train.micro_batch = 8;
-  c.memory.checkpoint = policy;
+  c.memory.recompute = policy;
   return c;
 }
 
@@ -152,7 +152,7 @@ TEST(Checkpointing, InfeasibleBudgetNamesTheSmallestFeasible) {
 }
 
 TEST(Checkpointing, SelectivePolicyNeedsAPart) {
-  auto c = Config::load("", {"--model.name=mlp", "--data.dataset=synthetic", "--memory.checkpoint=attn"});
+  auto c = Config::load("", {"--model.name=mlp", "--data.dataset=synthetic", "--memory.recompute=attn"});
   auto msg = test::error_of([&] { Trainer t(c); });
   EXPECT_NE(msg.find("no 'attn' part"), std::string::npos) << msg;
 }

@@ -3,6 +3,7 @@
 #include "helpers.h"
 #include <filesystem>
 #include <fstream>
+#include <torch/cuda.h>
 
 #include "memtrain/data/datasets.h"
 #include "memtrain/core/safetensors.h"
@@ -130,6 +131,29 @@ TEST(Accumulation, ActivationPeakScalesWithMicroBatch) {
   const auto act_small = a.tracker().last()[0].activation_peak;
   const auto act_big = b.tracker().last()[0].activation_peak;
   EXPECT_LT(act_small, act_big / 2) << act_small << " vs " << act_big;
+}
+
+// Every example config runs as documented: a few steps each (CUDA configs on a GPU only).
+void run_examples(bool cuda) {
+  int ran = 0;
+  for (const auto& f : std::filesystem::directory_iterator(test::source("examples/configs"))) {
+    if (f.path().extension() != ".ini") continue;
+    auto c = Config::load(f.path().string(), {"--train.steps=2", "--train.warmup_steps=1", "--train.eval_every=0",
+                                              "--log.dir=" + test::tiny_gpt_config().log.dir});
+    if ((c.train.device == "cuda") != cuda) continue;
+    SCOPED_TRACE(f.path().filename().string());
+    Trainer t(c);
+    for (int i = 0; i < 2; ++i) EXPECT_TRUE(std::isfinite(t.step().loss.item<double>()));
+    ++ran;
+  }
+  EXPECT_GE(ran, 1);
+}
+
+TEST(Examples, EveryCpuConfigTrains) { run_examples(/*cuda=*/false); }
+
+TEST(Examples, EveryCudaConfigTrainsSkipWithoutGpu) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device: the CUDA example configs are not run";
+  run_examples(/*cuda=*/true);
 }
 
 }  // namespace

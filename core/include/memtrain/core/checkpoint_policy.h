@@ -1,4 +1,4 @@
-// Which blocks activation checkpointing recomputes: the grammar of memory.checkpoint and its parsed form.
+// Which blocks activation checkpointing recomputes: the grammar of memory.recompute and its parsed form.
 // A plain value type at the bottom layer, so the config validator and the runtime read one grammar.
 //
 //   auto policy = memtrain::CheckpointPolicy::parse("every:2");   // blocks 0, 2, 4, ...

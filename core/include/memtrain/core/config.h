@@ -92,8 +92,10 @@ struct TrainOptions {
 
 struct MemoryConfig {
   bool track = true;                // per-step peak memory, JSONL + summary
-  std::string checkpoint = "none";  // none | all | every:K | attn | mlp | budget:MiB
-  bool offload = false;             // keep checkpointed block inputs in (pinned) CPU memory
+  // Activation recomputation ("activation checkpointing"): which blocks keep only their input and run
+  // again in backward. Named as Megatron does, apart from [checkpoint], which saves training state.
+  std::string recompute = "none";   // none | all | every:K | attn | mlp | budget:MiB
+  bool offload = false;             // keep recomputed blocks' inputs in (pinned) CPU memory
   std::string head = "plain";       // plain | fused | fused:ROWS (linear + cross-entropy in chunks)
 };
 
@@ -124,16 +126,21 @@ struct Config {
   LogConfig log;
   CheckpointConfig checkpoint;
   std::string source;  // the file it came from ("" if none)
+  // Settings that do nothing in this combination (load() fills it; the binary prints each on rank 0).
+  std::vector<std::string> warnings;
 
   // Reads `path` (may be empty: defaults only), then applies `overrides` ("--section.key=value").
   // Throws ConfigError naming the file, line, key, value and what is allowed.
   static Config load(const std::string& path, const std::vector<std::string>& overrides = {});
   // Checks values that the types alone cannot (enumerations, ranges). Called by load().
   void validate() const;
-  // The resolved configuration, as an INI file that load() reads back to the same values.
+  // The resolved configuration, as an INI file that load() reads back to the same values. Model keys of
+  // other models (ResNet's depth in a GPT run) are left out. Numbers in their shortest exact form.
   std::string to_ini() const;
-  // Every known key ("section.key") with its help text, for --help.
+  // Every known key ("--section.key=default" and what it does), for --help; model keys grouped by model.
   static std::string help();
+  // The same as a Markdown page (docs/config-reference.md, checked against this by a test).
+  static std::string reference_markdown();
 };
 
 // The grammar of memory.head: plain -> -1 (no fusion), fused -> 0 (automatic chunks), fused:ROWS -> ROWS.
