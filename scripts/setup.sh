@@ -6,8 +6,14 @@
 #   3. the real datasets, prepared into the same cache;
 #   4. CMake configure + build (ccache in the cache) into ./build.
 # Environment: MEMTRAIN_CACHE (default ~/.cache/memtrain), MEMTRAIN_BUILD (default ./build),
-#              MEMTRAIN_BUILD_TYPE (default Release), MEMTRAIN_TORCH (pip pin, default torch==2.11.0).
+#              MEMTRAIN_BUILD_TYPE (default Release), MEMTRAIN_TORCH (pip pin, default torch==2.11.0),
+#              MEMTRAIN_CUDA: which CUDA 13 toolkit CMake gets (torch's config needs one even for CPU use):
+#                auto (default): $CUDA_HOME (default /usr/local/cuda) when it has bin/nvcc, else pip;
+#                system: $CUDA_HOME only; pip: NVIDIA's PyPI packages, installed into the venv (once).
+# `setup.sh --cuda-from-pip VENV_PYTHON` only does the pip part for that venv and prints the toolkit root
+# (tests/package/configure_without_system_cuda.sh).
 set -euo pipefail
+shopt -s inherit_errexit
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${MEMTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/memtrain}"
@@ -20,6 +26,63 @@ APT_PACKAGES=(cmake ninja-build g++ ccache libboost-program-options-dev libgtest
               nlohmann-json3-dev zlib1g-dev dataset-fashion-mnist dpkg-dev)
 
 log() { echo "[setup] $*" >&2; }
+die() { echo "[setup] $*" >&2; exit 1; }
+
+# The CUDA 13.0 compiler and what it needs, from PyPI: the versions that torch 2.11.0's own pin
+# cuda-toolkit==13.0.2 names for its extras nvcc, crt, nvvm and cccl. The venv already has the runtime,
+# nvrtc, cuBLAS, ... (torch depends on them); nvidia-cuda-nvcc depends on nvidia-cuda-runtime, which
+# torch pins. PyPI has no libcuda.so driver stub: torch's config does without it (CUDA::cuda_driver
+# then does not exist; nothing in TORCH_LIBRARIES links it).
+CUDA_PIP_PACKAGES=(nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88
+                   nvidia-cuda-cccl==13.0.85)
+
+# Sets CUDA_ROOT to a CUDA toolkit assembled from PyPI in the venv of python $1, installing it once.
+# The packages land in site-packages/nvidia/cu13/{bin,include,lib,nvvm}, which nvcc runs from but
+# CMake and nvcc's own profile do not find everything in: nvcc links with -L$TOP/lib64, FindCUDA and
+# FindCUDAToolkit look for unversioned libcudart.so & co. $VENV/cuda-toolkit is that layout in
+# (relative) symlinks: bin/ one link per tool (nvcc takes its TOP from the path it was started by),
+# include and nvvm, lib/ with the libraries plus libX.so -> libX.so.N, lib64 -> lib.
+cuda_from_pip() {
+  local py="$1" venv cu13 stamp
+  venv="$("$py" -c 'import sys;print(sys.prefix)')"
+  CUDA_ROOT="$venv/cuda-toolkit"
+  stamp="${CUDA_PIP_PACKAGES[*]}"
+  [ "$(cat "$CUDA_ROOT/.pins" 2>/dev/null)" != "$stamp" ] || return 0
+  exec 9>"$venv/.cuda-toolkit.lock"
+  flock 9  # the venv is shared by every clone: one installer at a time
+  if [ "$(cat "$CUDA_ROOT/.pins" 2>/dev/null)" != "$stamp" ]; then
+    log "installing the CUDA 13 toolkit from PyPI into $venv: ${CUDA_PIP_PACKAGES[*]}"
+    "$py" -m pip install -q --disable-pip-version-check "${CUDA_PIP_PACKAGES[@]}"
+    cu13="$("$py" -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')/nvidia/cu13"
+    local tmp="$CUDA_ROOT.tmp" f n
+    rm -rf "$tmp" "$CUDA_ROOT"
+    mkdir -p "$tmp/bin" "$tmp/lib"
+    for f in "$cu13"/bin/*; do ln -sr "$f" "$tmp/bin/"; done
+    for f in "$cu13"/lib/*; do ln -sr "$f" "$tmp/lib/"; done
+    for f in "$cu13"/lib/lib*.so.*; do
+      n="${f##*/}"
+      [ -e "$tmp/lib/${n%%.so.*}.so" ] || ln -s "$n" "$tmp/lib/${n%%.so.*}.so"
+    done
+    ln -sr "$cu13/include" "$tmp/include"
+    ln -sr "$cu13/nvvm" "$tmp/nvvm"
+    ln -s lib "$tmp/lib64"
+    for f in bin/nvcc bin/ptxas bin/fatbinary bin/nvlink nvvm/bin/cicc include/cuda_runtime.h \
+             include/crt/host_config.h include/nv/target lib/libcudart.so lib/libcudart_static.a; do
+      [ -e "$tmp/$f" ] || die "the CUDA toolkit from PyPI lacks $f (in $cu13)"
+    done
+    "$tmp/bin/nvcc" --version | grep -q 'release 13\.0' || die "$tmp/bin/nvcc is not CUDA 13.0"
+    echo "$stamp" >"$tmp/.pins"
+    mv "$tmp" "$CUDA_ROOT"
+  fi
+  exec 9>&-
+}
+
+if [ "${1:-}" = "--cuda-from-pip" ]; then
+  [ -x "${2:-}" ] || die "usage: setup.sh --cuda-from-pip VENV_PYTHON"
+  cuda_from_pip "$2"
+  echo "$CUDA_ROOT"
+  exit 0
+fi
 
 # 1. Debian packages: install only what is missing.
 # A python3 without venv/ensurepip (Debian's and Ubuntu's system python) needs python3-venv.
@@ -39,15 +102,6 @@ if ((${#missing[@]})) || ! apt-cache show r-cran-janeaustenr >/dev/null 2>&1; th
   fi
 fi
 
-# The torch wheel is a CUDA 13 build: its CMake config needs the CUDA toolkit (nvcc, headers) even on
-# machines without a GPU. The project's machines and the Dockerfile's base image have it.
-CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
-if [ ! -x "$CUDA_HOME/bin/nvcc" ]; then
-  echo "[setup] the CUDA 13 toolkit was not found at $CUDA_HOME (set CUDA_HOME): find_package(Torch) for the" \
-       "cu130 torch wheel needs nvcc and the CUDA headers even to build for CPU" >&2
-  exit 1
-fi
-
 # 2. The torch virtualenv, shared by every clone on this machine, keyed by the torch pin and Python.
 PYVER="$("$PYTHON" -c 'import sys;print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
 VENV="$CACHE/venv-${TORCH_PIN//=/}-py$PYVER"
@@ -60,11 +114,21 @@ if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.complete" ]; then
   "$VENV/bin/pip" install -q "$TORCH_PIN" numpy
   cuda_major="$("$VENV/bin/python" -c 'import torch;print((torch.version.cuda or "none").split(".")[0])')"
   if [ "$cuda_major" != "13" ]; then
-    echo "[setup] $TORCH_PIN was built for CUDA '$cuda_major', expected 13.x to match /usr/local/cuda" >&2
-    exit 1
+    die "$TORCH_PIN was built for CUDA '$cuda_major', expected 13.x to match the CUDA 13 toolkit"
   fi
   touch "$VENV/.complete"
 fi
+
+# The torch wheel is a CUDA 13 build: its CMake config needs the CUDA toolkit (nvcc, headers, cudart)
+# even on machines without a GPU. The project's machines and the Dockerfile's base image have one.
+CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+case "${MEMTRAIN_CUDA:-auto}" in
+  auto)   if [ -x "$CUDA_HOME/bin/nvcc" ]; then CUDA_ROOT="$CUDA_HOME"; else cuda_from_pip "$VENV/bin/python"; fi ;;
+  system) [ -x "$CUDA_HOME/bin/nvcc" ] || die "MEMTRAIN_CUDA=system, but $CUDA_HOME/bin/nvcc does not exist (set CUDA_HOME)"
+          CUDA_ROOT="$CUDA_HOME" ;;
+  pip)    cuda_from_pip "$VENV/bin/python" ;;
+  *)      die "MEMTRAIN_CUDA=${MEMTRAIN_CUDA}: expected auto, system or pip" ;;
+esac
 
 # 3. Data from Debian packages (a failure here fails the set-up).
 "$VENV/bin/python" "$ROOT/scripts/prepare_data.py" "$DATA" | { grep -v '^prepared .*fashion-mnist$' || true; }
@@ -72,12 +136,21 @@ fi
 # 4. Configure and build.
 export CCACHE_DIR="$CACHE/ccache" CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
 export CCACHE_BASEDIR="$ROOT" CCACHE_NOHASHDIR=1 CCACHE_MAXSIZE=5G
-if [ ! -f "$BUILD/build.ninja" ]; then
+# A build configured with another toolkit is configured afresh (CMake caches every path it found).
+# The three variables: CMAKE_CUDA_COMPILER for enable_language(CUDA), CUDA_TOOLKIT_ROOT_DIR for torch's
+# copy of FindCUDA (which otherwise searches PATH and /usr/local), CUDAToolkit_ROOT for FindCUDAToolkit.
+fresh=()
+configured_cuda="$(sed -n 's/^CUDAToolkit_ROOT:[A-Z]*=//p' "$BUILD/CMakeCache.txt" 2>/dev/null || true)"
+if [ -f "$BUILD/build.ninja" ] && [ -n "$configured_cuda" ] && [ "$configured_cuda" != "$CUDA_ROOT" ]; then
+  log "$BUILD was configured with the CUDA toolkit $configured_cuda: configuring it afresh with $CUDA_ROOT"
+  fresh=(--fresh)
+fi
+if [ ! -f "$BUILD/build.ninja" ] || ((${#fresh[@]})); then
   log "configuring $BUILD ($BUILD_TYPE)"
-  cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE" \
+  cmake "${fresh[@]}" -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE" \
     -DCMAKE_PREFIX_PATH="$("$VENV/bin/python" -c 'import torch;print(torch.utils.cmake_prefix_path)')" \
-    -DMEMTRAIN_PYTHON="$VENV/bin/python" -DMEMTRAIN_DATA_DIR="$DATA" -DCUDAToolkit_ROOT="$CUDA_HOME" \
-    -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc" \
+    -DMEMTRAIN_PYTHON="$VENV/bin/python" -DMEMTRAIN_DATA_DIR="$DATA" -DCUDAToolkit_ROOT="$CUDA_ROOT" \
+    -DCUDA_TOOLKIT_ROOT_DIR="$CUDA_ROOT" -DCMAKE_CUDA_COMPILER="$CUDA_ROOT/bin/nvcc" \
     -DCMAKE_CXX_COMPILER_LAUNCHER=ccache >"$CACHE/configure.log" 2>&1 \
     || { cat "$CACHE/configure.log" >&2; exit 1; }
 fi

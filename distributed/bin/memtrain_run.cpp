@@ -1,0 +1,288 @@
+// memtrain-run: starts the processes of a multi-process run, in the spirit of torchrun.
+//
+//   memtrain-run --nproc-per-node 4 [--nnodes 2 --node-rank 0 --master-addr HOST --master-port PORT]
+//                [--standalone] [--log-dir DIR] -- memtrain --config X.ini [...]
+//
+// Each child gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT
+// (and OMP_NUM_THREADS=1 when several share a node and it is unset, as torchrun does). Their output
+// lines are prefixed with their rank (or written to DIR/rank<N>.log). SIGINT and SIGTERM are forwarded.
+// When one child fails, the others are stopped (SIGTERM, then SIGKILL after a grace period) and the
+// launcher exits with that child's code and a line naming its rank. No LibTorch here: it only starts
+// processes.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: memtrain-run --nproc-per-node N [--nnodes M --node-rank K] [--master-addr A] [--master-port P]\n"
+    "                    [--standalone] [--log-dir DIR] [--grace-s S] -- COMMAND [ARGS...]\n"
+    "  --master-port 0 (or --standalone on one node) picks a free port.\n";
+
+struct Options {
+  int nproc = 1, nnodes = 1, node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  bool standalone = false;
+  std::string log_dir;
+  int grace_s = 10;  // after a failure or a signal: time for the others to exit before SIGKILL
+  std::vector<std::string> command;
+};
+
+[[noreturn]] void usage_error(const std::string& msg) {
+  std::cerr << "memtrain-run: " << msg << "\n" << kUsage;
+  std::exit(2);
+}
+
+int parse_int(const std::string& flag, const std::string& v, int min) {
+  try {
+    size_t used = 0;
+    int x = std::stoi(v, &used);
+    if (used == v.size() && x >= min) return x;
+  } catch (...) {
+  }
+  usage_error(flag + " = '" + v + "': expected an integer >= " + std::to_string(min));
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  int i = 1;
+  auto value = [&](const std::string& flag) -> std::string {
+    std::string a = argv[i];
+    if (auto eq = a.find('='); eq != std::string::npos) return a.substr(eq + 1);
+    if (i + 1 >= argc) usage_error(flag + " needs a value");
+    return argv[++i];
+  };
+  for (; i < argc; ++i) {
+    std::string a = argv[i];
+    auto is = [&](const char* flag) { return a == flag || a.rfind(std::string(flag) + "=", 0) == 0; };
+    if (a == "--") {
+      for (++i; i < argc; ++i) o.command.push_back(argv[i]);
+      break;
+    } else if (a == "-h" || a == "--help") {
+      std::cout << kUsage;
+      std::exit(0);
+    } else if (is("--nproc-per-node") || is("--nproc_per_node")) {
+      o.nproc = parse_int("--nproc-per-node", value("--nproc-per-node"), 1);
+    } else if (is("--nnodes")) {
+      o.nnodes = parse_int("--nnodes", value("--nnodes"), 1);
+    } else if (is("--node-rank") || is("--node_rank")) {
+      o.node_rank = parse_int("--node-rank", value("--node-rank"), 0);
+    } else if (is("--master-addr") || is("--master_addr")) {
+      o.master_addr = value("--master-addr");
+    } else if (is("--master-port") || is("--master_port")) {
+      o.master_port = parse_int("--master-port", value("--master-port"), 0);
+    } else if (a == "--standalone") {
+      o.standalone = true;
+    } else if (is("--log-dir")) {
+      o.log_dir = value("--log-dir");
+    } else if (is("--grace-s")) {
+      o.grace_s = parse_int("--grace-s", value("--grace-s"), 0);
+    } else if (a.rfind("--", 0) == 0) {
+      usage_error("unknown option '" + a + "'");
+    } else {  // the command starts here (no "--")
+      for (; i < argc; ++i) o.command.push_back(argv[i]);
+      break;
+    }
+  }
+  if (o.command.empty()) usage_error("no command to run");
+  if (o.node_rank >= o.nnodes) usage_error("--node-rank " + std::to_string(o.node_rank) + " is not below --nnodes");
+  if (o.standalone) {
+    if (o.nnodes != 1) usage_error("--standalone is for one node; with --nnodes give --master-addr and --master-port");
+    o.master_addr = "127.0.0.1";
+    o.master_port = 0;
+  }
+  if (o.master_port == 0 && o.nnodes > 1)
+    usage_error("--master-port 0 picks a free port on this node only; with --nnodes > 1 every node needs the same port");
+  return o;
+}
+
+// A free TCP port on addr (bound, read back, closed: another process could take it in between, as with
+// torchrun's --standalone).
+int free_port(const std::string& addr) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = 0;
+  inet_pton(AF_INET, addr.c_str(), &sa.sin_addr);
+  socklen_t len = sizeof sa;
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
+    std::cerr << "memtrain-run: cannot find a free port on " << addr << ": " << std::strerror(errno) << "\n";
+    std::exit(1);
+  }
+  close(fd);
+  return ntohs(sa.sin_port);
+}
+
+volatile sig_atomic_t g_signal = 0;
+void on_signal(int sig) { g_signal = sig; }
+
+struct Child {
+  int rank = 0;
+  pid_t pid = -1;
+  int out_fd = -1;       // read end of the child's stdout+stderr
+  std::string partial;   // an unfinished output line
+  std::ofstream log;     // --log-dir: the rank's log file
+  bool running = true;
+  int status = 0;
+};
+
+void emit(Child& c, const std::string& line) {
+  if (c.log.is_open()) {
+    c.log << line << "\n" << std::flush;
+  } else {
+    std::string out = "[rank " + std::to_string(c.rank) + "] " + line + "\n";
+    (void)!write(STDOUT_FILENO, out.data(), out.size());
+  }
+}
+
+void drain(Child& c) {
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(c.out_fd, buf, sizeof buf)) > 0) {
+    c.partial.append(buf, static_cast<size_t>(n));
+    for (size_t nl; (nl = c.partial.find('\n')) != std::string::npos;) {
+      emit(c, c.partial.substr(0, nl));
+      c.partial.erase(0, nl + 1);
+    }
+  }
+}
+
+int exit_code(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+std::string describe(int status) {
+  if (WIFSIGNALED(status)) return std::string("was killed by signal ") + strsignal(WTERMSIG(status));
+  return "exited with code " + std::to_string(exit_code(status));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  auto o = parse(argc, argv);
+  if (o.master_port == 0) o.master_port = free_port(o.master_addr);
+  const int world = o.nnodes * o.nproc;
+  if (!o.log_dir.empty()) std::system(("mkdir -p '" + o.log_dir + "'").c_str());
+
+  struct sigaction sa{};
+  sa.sa_handler = on_signal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  std::vector<Child> children(static_cast<size_t>(o.nproc));
+  for (int local = 0; local < o.nproc; ++local) {
+    auto& c = children[static_cast<size_t>(local)];
+    c.rank = o.node_rank * o.nproc + local;
+    int fds[2];
+    if (pipe(fds) != 0) {
+      std::perror("memtrain-run: pipe");
+      return 1;
+    }
+    c.pid = fork();
+    if (c.pid == 0) {
+      // Its own process group: a Ctrl-C on the terminal reaches the launcher only, which forwards it
+      // once (a rank that gets a second signal exits at once instead of saving).
+      setpgid(0, 0);
+      dup2(fds[1], STDOUT_FILENO);
+      dup2(fds[1], STDERR_FILENO);
+      close(fds[0]);
+      close(fds[1]);
+      setenv("RANK", std::to_string(c.rank).c_str(), 1);
+      setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+      setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
+      setenv("LOCAL_WORLD_SIZE", std::to_string(o.nproc).c_str(), 1);
+      setenv("GROUP_RANK", std::to_string(o.node_rank).c_str(), 1);
+      setenv("MASTER_ADDR", o.master_addr.c_str(), 1);
+      setenv("MASTER_PORT", std::to_string(o.master_port).c_str(), 1);
+      if (o.nproc > 1) setenv("OMP_NUM_THREADS", "1", 0);  // as torchrun: N processes share the cores
+      std::vector<char*> args;
+      for (auto& a : o.command) args.push_back(a.data());
+      args.push_back(nullptr);
+      execvp(args[0], args.data());
+      std::fprintf(stderr, "memtrain-run: cannot run '%s': %s\n", args[0], std::strerror(errno));
+      _exit(127);
+    }
+    close(fds[1]);
+    fcntl(fds[0], F_SETFL, fcntl(fds[0], F_GETFL) | O_NONBLOCK);
+    c.out_fd = fds[0];
+    if (!o.log_dir.empty()) c.log.open(o.log_dir + "/rank" + std::to_string(c.rank) + ".log");
+  }
+
+  int result = 0;
+  bool stopping = false;
+  auto stop_time = std::chrono::steady_clock::time_point::max();
+  auto stop_all = [&](int sig) {
+    for (auto& c : children)
+      if (c.running) kill(c.pid, sig);
+  };
+  for (;;) {
+    // Output first, so that a failing rank's last words come before the launcher's verdict.
+    std::vector<pollfd> fds;
+    for (auto& c : children)
+      if (c.out_fd >= 0) fds.push_back({c.out_fd, POLLIN, 0});
+    if (!fds.empty()) poll(fds.data(), fds.size(), 100);
+    else std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    for (auto& c : children)
+      if (c.out_fd >= 0) drain(c);
+
+    if (g_signal != 0 && !stopping) {  // forward once; the children save and exit (or die)
+      std::cerr << "memtrain-run: " << strsignal(g_signal) << ": forwarding to the ranks\n";
+      stop_all(g_signal);
+      stopping = true;
+      stop_time = std::chrono::steady_clock::now() + std::chrono::seconds(o.grace_s);
+    }
+    bool any_running = false;
+    for (auto& c : children) {
+      if (!c.running) continue;
+      int status = 0;
+      if (waitpid(c.pid, &status, WNOHANG) == c.pid) {
+        c.running = false;
+        c.status = status;
+        drain(c);
+        if (!c.partial.empty()) emit(c, c.partial), c.partial.clear();
+        close(c.out_fd);
+        c.out_fd = -1;
+        if (exit_code(status) != 0 && result == 0) result = exit_code(status);
+        if (exit_code(status) != 0 && !stopping) {
+          std::cerr << "memtrain-run: rank " << c.rank << " (pid " << c.pid << ") " << describe(status)
+                    << "; stopping the other ranks\n";
+          stopping = true;
+          stop_all(SIGTERM);
+          stop_time = std::chrono::steady_clock::now() + std::chrono::seconds(o.grace_s);
+        }
+      } else {
+        any_running = true;
+      }
+    }
+    if (!any_running) break;
+    if (stopping && std::chrono::steady_clock::now() > stop_time) {
+      std::cerr << "memtrain-run: ranks still running " << o.grace_s << " s after the stop: killing them\n";
+      stop_all(SIGKILL);
+      stop_time = std::chrono::steady_clock::time_point::max();
+    }
+  }
+  if (result != 0 && !g_signal) std::cerr << "memtrain-run: failed with exit code " << result << "\n";
+  return result;
+}

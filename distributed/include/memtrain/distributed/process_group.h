@@ -1,0 +1,97 @@
+// The process group of a multi-process run: rendezvous through c10d's TCPStore at MASTER_ADDR:MASTER_PORT,
+// then LibTorch's own c10d backend (ProcessGroupGloo for CPU tensors, ProcessGroupNCCL for CUDA ones):
+// the existing engine, not a home-made transport. Every collective waits with the group's timeout and
+// turns a dead peer or a timeout into a memtrain::Error that names the operation and the rank.
+//
+//   auto world = memtrain::World::from_env();
+//   auto group = memtrain::ProcessGroup::create(world, {.backend = "auto", .device = device});
+//   group->all_reduce_sum(t);        // in place; Gloo has no AVG: divide by group->size() yourself
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "memtrain/distributed/world.h"
+
+namespace c10d {
+class Backend;
+class Store;
+class Work;
+}  // namespace c10d
+
+namespace memtrain {
+
+struct ProcessGroupOptions {
+  std::string backend = "auto";          // auto (gloo on CPU, nccl on CUDA) | gloo | nccl
+  std::chrono::seconds timeout{300};     // rendezvous and every collective
+  c10::Device device = c10::kCPU;        // this rank's device: the tensors the collectives move
+};
+
+// A collective started but not waited for (bucketed gradient reduction overlaps them with backward).
+class PendingCollective {
+ public:
+  PendingCollective() = default;
+  PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank);
+  ~PendingCollective();
+  PendingCollective(PendingCollective&&) noexcept;
+  PendingCollective& operator=(PendingCollective&&) noexcept;
+  // Blocks until done; a failed or timed-out collective throws memtrain::Error naming it.
+  void wait();
+  bool pending() const;
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::string what_;
+  int rank_ = 0;
+};
+
+class ProcessGroup {
+ public:
+  // Rendezvous of all world.world_size ranks. Rank 0 hosts the TCPStore. A rank that never arrives, a
+  // wrong MASTER_ADDR or a busy port is an error within options.timeout, naming what was waited for.
+  static std::shared_ptr<ProcessGroup> create(const World& world, const ProcessGroupOptions& options);
+  ~ProcessGroup();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const std::string& backend_name() const { return backend_name_; }
+
+  // Element-wise sum over ranks, in place.
+  PendingCollective all_reduce_sum_async(at::Tensor& tensor);
+  void all_reduce_sum(at::Tensor& tensor) { all_reduce_sum_async(tensor).wait(); }
+  // Element-wise max over ranks, in place (the fp16 scaler's found-inf flag).
+  void all_reduce_max(at::Tensor& tensor);
+  // input (size * n elements) summed over ranks; this rank keeps elements [rank * n, (rank + 1) * n) in output (n).
+  PendingCollective reduce_scatter_sum_async(at::Tensor& output, at::Tensor& input);
+  // output (size * n) = the concatenation of every rank's input (n).
+  PendingCollective all_gather_async(at::Tensor& output, at::Tensor& input);
+  void broadcast(at::Tensor& tensor, int root);
+  void barrier();
+
+  // Bytes this rank has sent into collectives since the last call (a ring moves about 2 (N-1)/N of an
+  // all-reduce's buffer per rank; counted here as the buffer's size per collective).
+  int64_t take_bytes_communicated();
+
+ private:
+  ProcessGroup() = default;
+  PendingCollective start(c10::intrusive_ptr<c10d::Work> work, const std::string& what, int64_t bytes);
+
+  int rank_ = 0, size_ = 1;
+  std::string backend_name_;
+  std::chrono::milliseconds timeout_{300000};
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  int64_t bytes_ = 0;
+};
+
+namespace detail {
+// The NCCL backend, in its own translation unit (compiled everywhere, run only on a GPU).
+c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                                    std::chrono::milliseconds timeout);
+}  // namespace detail
+
+}  // namespace memtrain

@@ -1,0 +1,146 @@
+// Compiled with USE_C10D_GLOO (this file only): ProcessGroupGloo.hpp needs the gloo headers, which the
+// torch wheel does not ship; Debian's libgloo-dev supplies them. ProcessGroupGloo holds gloo types only
+// through shared_ptrs, so constructing it from these headers matches the wheel's own layout; nothing
+// here touches a gloo object or an inline member that would (docs/libtorch-notes.md).
+#include "memtrain/distributed/process_group.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "memtrain/core/error.h"
+
+namespace memtrain {
+
+namespace {
+std::string what_of(const std::exception& e) {
+  if (auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
+}  // namespace
+
+PendingCollective::PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank)
+    : work_(std::move(work)), what_(std::move(what)), rank_(rank) {}
+PendingCollective::~PendingCollective() = default;
+PendingCollective::PendingCollective(PendingCollective&&) noexcept = default;
+PendingCollective& PendingCollective::operator=(PendingCollective&&) noexcept = default;
+bool PendingCollective::pending() const { return static_cast<bool>(work_); }
+
+void PendingCollective::wait() {
+  if (!work_) return;
+  auto work = std::move(work_);
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    throw Error(detail::concat("[dist] rank ", rank_, ": ", what_, " failed (a peer died or timed out): ", what_of(e)));
+  }
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& world, const ProcessGroupOptions& options) {
+  std::shared_ptr<ProcessGroup> g(new ProcessGroup());
+  g->rank_ = world.rank;
+  g->size_ = world.world_size;
+  g->timeout_ = std::chrono::duration_cast<std::chrono::milliseconds>(options.timeout);
+  auto backend = options.backend;
+  if (backend == "auto") backend = options.device.is_cuda() ? "nccl" : "gloo";
+  MEMTRAIN_CHECK(backend == "gloo" || backend == "nccl", ConfigError, "[config] dist.backend = '", backend,
+                 "': expected auto | gloo | nccl");
+  MEMTRAIN_CHECK(backend != "nccl" || options.device.is_cuda(), ConfigError,
+                 "[config] dist.backend = nccl needs train.device = cuda (NCCL moves CUDA tensors); use gloo on CPU");
+  g->backend_name_ = backend;
+
+  // 1. Rendezvous: rank 0 serves the store and waits for every rank; the others connect.
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<uint16_t>(world.master_port);
+  so.isServer = world.rank == 0;
+  so.numWorkers = static_cast<size_t>(world.world_size);
+  so.waitWorkers = true;
+  so.timeout = g->timeout_;
+  try {
+    g->store_ = c10::make_intrusive<c10d::TCPStore>(world.master_addr, so);
+  } catch (const std::exception& e) {
+    throw Error(detail::concat("[dist] rank ", world.rank, ": rendezvous at ", world.master_addr, ":", world.master_port,
+                               " failed: ", world.rank == 0 ? "serving the store for " : "joining the store of ",
+                               world.world_size, " ranks within ", options.timeout.count(),
+                               " s (dist.timeout_s): ", what_of(e),
+                               ". Check MASTER_ADDR / MASTER_PORT, that every rank was started, and that the port is free"));
+  }
+  auto store = c10::make_intrusive<c10d::PrefixStore>("memtrain/" + backend, g->store_);
+
+  // 2. The backend on top of the store (its own rendezvous of transport addresses).
+  try {
+    if (backend == "gloo") {
+      auto o = c10d::ProcessGroupGloo::Options::create_default(g->timeout_);
+      g->backend_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store, world.rank, world.world_size, o);
+    } else {
+      g->backend_ = detail::make_nccl_backend(store, world.rank, world.world_size, g->timeout_);
+    }
+  } catch (const std::exception& e) {
+    throw Error(detail::concat("[dist] rank ", world.rank, ": creating the ", backend, " process group of ",
+                               world.world_size, " ranks failed: ", what_of(e)));
+  }
+  return g;
+}
+
+ProcessGroup::~ProcessGroup() = default;
+
+PendingCollective ProcessGroup::start(c10::intrusive_ptr<c10d::Work> work, const std::string& what, int64_t bytes) {
+  bytes_ += bytes;
+  return PendingCollective(std::move(work), what, rank_);
+}
+
+PendingCollective ProcessGroup::all_reduce_sum_async(at::Tensor& tensor) {
+  std::vector<at::Tensor> ts{tensor};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::SUM;
+  o.timeout = timeout_;
+  return start(backend_->allreduce(ts, o), "all-reduce", tensor.numel() * tensor.element_size());
+}
+
+void ProcessGroup::all_reduce_max(at::Tensor& tensor) {
+  std::vector<at::Tensor> ts{tensor};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::MAX;
+  o.timeout = timeout_;
+  start(backend_->allreduce(ts, o), "all-reduce (max)", tensor.numel() * tensor.element_size()).wait();
+}
+
+PendingCollective ProcessGroup::reduce_scatter_sum_async(at::Tensor& output, at::Tensor& input) {
+  MEMTRAIN_CHECK(input.numel() == output.numel() * size_, Error, "[dist] reduce-scatter: input has ", input.numel(),
+                 " elements, expected ", size_, " x ", output.numel());
+  c10d::ReduceScatterOptions o;
+  o.reduceOp = c10d::ReduceOp::SUM;
+  o.timeout = timeout_;
+  return start(backend_->_reduce_scatter_base(output, input, o), "reduce-scatter",
+               input.numel() * input.element_size());
+}
+
+PendingCollective ProcessGroup::all_gather_async(at::Tensor& output, at::Tensor& input) {
+  MEMTRAIN_CHECK(output.numel() == input.numel() * size_, Error, "[dist] all-gather: output has ", output.numel(),
+                 " elements, expected ", size_, " x ", input.numel());
+  c10d::AllgatherOptions o;
+  o.timeout = timeout_;
+  return start(backend_->_allgather_base(output, input, o), "all-gather", output.numel() * output.element_size());
+}
+
+void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
+  std::vector<at::Tensor> ts{tensor};
+  c10d::BroadcastOptions o;
+  o.rootRank = root;
+  o.timeout = timeout_;
+  start(backend_->broadcast(ts, o), "broadcast", tensor.numel() * tensor.element_size()).wait();
+}
+
+void ProcessGroup::barrier() {
+  c10d::BarrierOptions o;
+  o.timeout = timeout_;
+  start(backend_->barrier(o), "barrier", 0).wait();
+}
+
+int64_t ProcessGroup::take_bytes_communicated() {
+  auto b = bytes_;
+  bytes_ = 0;
+  return b;
+}
+
+}  // namespace memtrain

@@ -1,0 +1,113 @@
+// Multi-process runs on this machine: memtrain-run (and PyTorch's torchrun) start N ranks of a probe
+// that checks every collective against arithmetic; a rank that dies stops the job; a rendezvous that
+// cannot complete fails within its timeout.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <regex>
+
+#include "helpers.h"
+
+namespace memtrain {
+namespace {
+
+struct Run {
+  int code = -1;
+  std::string output;
+  double seconds = 0;
+};
+
+// Runs a shell command, capturing stdout and stderr together.
+Run run(const std::string& command) {
+  Run r;
+  auto start = std::chrono::steady_clock::now();
+  FILE* p = popen((command + " 2>&1").c_str(), "r");
+  std::array<char, 4096> buf;
+  while (p && fgets(buf.data(), buf.size(), p)) r.output += buf.data();
+  int status = p ? pclose(p) : -1;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return r;
+}
+
+std::string bin(const std::string& name) { return (std::filesystem::path(MEMTRAIN_BINARY_DIR) / name).string(); }
+std::string probe() { return bin("tests/memtrain_collectives_probe"); }
+std::string launcher() { return bin("memtrain-run"); }
+
+TEST(Launcher, TwoAndFourRanksGetExactCollectives) {
+  for (int n : {2, 4}) {
+    auto r = run(launcher() + " --standalone --nproc-per-node " + std::to_string(n) + " -- " + probe());
+    EXPECT_EQ(r.code, 0) << r.output;
+    for (int rank = 0; rank < n; ++rank)
+      EXPECT_NE(r.output.find("[rank " + std::to_string(rank) + "] collectives ok: rank " + std::to_string(rank) +
+                              " of " + std::to_string(n) + " (gloo)"),
+                std::string::npos)
+          << r.output;
+  }
+}
+
+TEST(Launcher, TwoNodesOnLoopbackFormOneJob) {
+  // Two launchers, node 0 and node 1, two ranks each: one world of 4 through the loopback address.
+  const std::string common = " --nnodes 2 --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29731 -- " + probe();
+  auto r = run("( " + launcher() + " --node-rank 1" + common + " > /tmp/memtrain-node1.log 2>&1 & ) ; " + launcher() +
+               " --node-rank 0" + common + "; sleep 1; cat /tmp/memtrain-node1.log");
+  EXPECT_EQ(r.code, 0) << r.output;
+  for (int rank = 0; rank < 4; ++rank)
+    EXPECT_NE(r.output.find("collectives ok: rank " + std::to_string(rank) + " of 4"), std::string::npos) << r.output;
+}
+
+TEST(Launcher, TorchrunStartsTheSameRanks) {
+  const auto torchrun = std::filesystem::path(MEMTRAIN_PYTHON).parent_path() / "torchrun";
+  ASSERT_TRUE(std::filesystem::exists(torchrun)) << torchrun;
+  auto r = run(torchrun.string() + " --no-python --standalone --nproc-per-node 2 " + probe());
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("collectives ok: rank 1 of 2"), std::string::npos) << r.output;
+}
+
+TEST(Launcher, ADeadRankStopsTheJobNamingItAndLeavesNoProcess) {
+  auto r = run("PROBE_DIE_RANK=1 PROBE_PRINT_PID=1 PROBE_TIMEOUT_S=20 " + launcher() +
+               " --standalone --nproc-per-node 3 --grace-s 3 -- " + probe());
+  EXPECT_EQ(r.code, 3) << r.output;  // the dead rank's own exit code
+  EXPECT_NE(r.output.find("memtrain-run: rank 1 (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("exited with code 3; stopping the other ranks"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 15) << "the job did not stop promptly";
+  std::smatch m;
+  std::string rest = r.output;
+  int pids = 0;
+  while (std::regex_search(rest, m, std::regex("pid (\\d+)\n"))) {
+    EXPECT_NE(kill(std::stoi(m[1]), 0), 0) << "rank process " << m[1] << " is still alive";
+    rest = m.suffix();
+    ++pids;
+  }
+  EXPECT_EQ(pids, 3) << r.output;
+}
+
+TEST(Launcher, TorchrunAlsoStopsOnADeadRank) {
+  const auto torchrun = std::filesystem::path(MEMTRAIN_PYTHON).parent_path() / "torchrun";
+  auto r = run("PROBE_DIE_RANK=0 PROBE_TIMEOUT_S=20 " + torchrun.string() +
+               " --no-python --standalone --nproc-per-node 2 " + probe());
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_LT(r.seconds, 60);
+}
+
+TEST(Rendezvous, AMissingRankFailsWithinTheTimeoutNamingTheStore) {
+  // World of 2, only rank 0 started: the store waits for a rank that never comes.
+  auto r = run("RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29732 PROBE_TIMEOUT_S=3 " + probe());
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("rendezvous at 127.0.0.1:29732 failed: serving the store for 2 ranks within 3 s"),
+            std::string::npos)
+      << r.output;
+  EXPECT_LT(r.seconds, 30);
+  // A rank pointed at an address where nobody serves: it gives up within the timeout, too.
+  r = run("RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29733 PROBE_TIMEOUT_S=3 " + probe());
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("joining the store of 2 ranks"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 30);
+}
+
+}  // namespace
+}  // namespace memtrain
