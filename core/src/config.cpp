@@ -112,7 +112,15 @@ std::vector<Entry> entries(Config& c) {
       entry("memory.offload", &mem.offload, "keep recomputed blocks' inputs in pinned CPU memory (CUDA)"),
       entry("memory.head", &mem.head, "plain | fused | fused:ROWS (LM head + loss in chunks of ROWS tokens; the logits never exist whole)"),
       entry("dist.backend", &dist.backend, choices::join(choices::backend)),
-      entry("dist.timeout_s", &dist.timeout_s, "collective timeout in seconds"),
+      entry("dist.timeout_s", &dist.timeout_s, "rendezvous and collective timeout in seconds"),
+      entry("dist.zero_stage", &dist.zero_stage,
+            "0: data parallel, gradients all-reduced | 1: optimizer state (and fp32 masters) sharded over ranks | "
+            "2: gradients sharded too"),
+      entry("dist.bucket_mib", &dist.bucket_mib, "gradient bucket size in MiB; a bucket's reduction starts when it is full"),
+      entry("dist.reduce", &dist.reduce,
+            choices::join(choices::dist_reduce) +
+                " (step: accumulate micro-batches locally and reduce once, least traffic; micro_batch: reduce after "
+                "each, least memory with zero_stage 2)"),
       entry("log.every", &l.every, "a log line every N steps"),
       entry("log.dir", &l.dir, "folder for run outputs"),
       entry("log.name", &l.name, "run name; empty = config file stem"),
@@ -422,6 +430,10 @@ void Config::validate() const {
   parse_head_rows(memory.head);
   check_one_of("dist.backend", dist.backend, choices::backend);
   check_range("dist.timeout_s", dist.timeout_s, dist.timeout_s >= 1, ">= 1");
+  check_range("dist.zero_stage", dist.zero_stage, dist.zero_stage >= 0 && dist.zero_stage <= 2,
+              "0, 1 or 2 (stage 3 is not implemented yet)");
+  check_range("dist.bucket_mib", dist.bucket_mib, dist.bucket_mib > 0, "> 0");
+  check_one_of("dist.reduce", dist.reduce, choices::dist_reduce);
   check_range("log.every", log.every, log.every >= 1, ">= 1");
   check_one_of("log.progress", log.progress, choices::progress);
   check_range("checkpoint.every", checkpoint.every, checkpoint.every >= 0, ">= 0");

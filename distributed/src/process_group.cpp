@@ -137,10 +137,5 @@ void ProcessGroup::barrier() {
   start(backend_->barrier(o), "barrier", 0).wait();
 }
 
-int64_t ProcessGroup::take_bytes_communicated() {
-  auto b = bytes_;
-  bytes_ = 0;
-  return b;
-}
 
 }  // namespace memtrain

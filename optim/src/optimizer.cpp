@@ -37,6 +37,11 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& 
     if (!p.requires_grad() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
     (p.dim() >= 2 ? decay : no_decay).push_back(p);
   }
+  return make_optimizer(t, decay, no_decay);
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& t, const std::vector<torch::Tensor>& decay,
+                                                        const std::vector<torch::Tensor>& no_decay) {
   using Kind = OptimizerOptions::Kind;
   if (t.kind == Kind::kSgd) {
     auto base = torch::optim::SGDOptions(t.lr).momentum(t.momentum);

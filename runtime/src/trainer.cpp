@@ -54,9 +54,6 @@ Trainer::Trainer(const Config& config, std::shared_ptr<Model> model, std::shared
 void Trainer::setup() {
   const auto& t = config_.train;
   if (t.threads > 0) at::set_num_threads(static_cast<int>(t.threads));
-  MEMTRAIN_CHECK(world_.world_size == 1, Error, "[dist] WORLD_SIZE=", world_.world_size,
-                 ": this build trains in a single process; multi-process training (ZeRO over c10d) is not "
-                 "implemented yet");
   device_ = resolve_device(t.device, world_.local_rank);
   precision_ = parse_precision(t.precision);
   check_precision_supported(precision_, device_);
@@ -74,7 +71,8 @@ void Trainer::setup() {
     // copied back after each step (the bf16 rounding of an update never accumulates).
     param_dtype_ = torch::kBFloat16;
     torch::OrderedDict<std::string, torch::Tensor> masters;
-    for (size_t i = 0; i < params_.size(); ++i) {
+    // Several ranks: DataParallel keeps the masters (for this rank's part only from ZeRO stage 1).
+    for (size_t i = 0; i < params_.size() && world_.world_size == 1; ++i) {
       master_.push_back(params_[i].detach().to(torch::kFloat, /*non_blocking=*/false, /*copy=*/true).requires_grad_());
       masters.insert(names[i], master_.back());
     }
@@ -83,9 +81,23 @@ void Trainer::setup() {
     for (auto& p : model_->parameters()) p.set_data(p.data().to(torch::kBFloat16));
     for (auto& b : model_->buffers())
       if (b.is_floating_point()) b.set_data(b.data().to(torch::kBFloat16));
-    optimizer_ = make_optimizer(optimizer_options(t), masters);
-  } else {
+    if (world_.world_size == 1) optimizer_ = make_optimizer(optimizer_options(t), masters);
+  } else if (world_.world_size == 1) {
     optimizer_ = make_optimizer(optimizer_options(t), model_->named_parameters());
+  }
+  if (world_.world_size > 1) {
+    // Rendezvous, process group, flat buckets; the optimizer steps the buckets' parts this rank owns.
+    const auto& d = config_.dist;
+    auto group = ProcessGroup::create(
+        world_, {.backend = d.backend, .timeout = std::chrono::seconds(d.timeout_s), .device = device_});
+    std::vector<std::pair<std::string, torch::Tensor>> named;
+    for (size_t i = 0; i < params_.size(); ++i) named.emplace_back(names[i], params_[i]);
+    dp_ = std::make_unique<DataParallel>(group, named,
+                                         DataParallelOptions{.stage = static_cast<int>(d.zero_stage),
+                                                             .bucket_mib = d.bucket_mib,
+                                                             .reduce_every_micro_batch = d.reduce == "micro_batch",
+                                                             .master_weights = param_dtype_ != torch::kFloat});
+    optimizer_ = make_optimizer(optimizer_options(t), dp_->decay_tensors(), dp_->no_decay_tensors());
   }
   schedule_ = std::make_unique<CosineSchedule>(
       CosineScheduleOptions{.peak = t.lr, .min = t.min_lr, .warmup_steps = t.warmup_steps, .total_steps = t.steps});
@@ -122,6 +134,7 @@ void Trainer::setup() {
   tracker_->set_resident_source([this](const c10::Device& d) {
     // Master weights and their gradients are the optimizer's: counted as optimizer state.
     auto state = optimizer_state_tensors(*optimizer_);
+    if (dp_) return dp_->resident(state, d);
     for (const auto& m : master_) state.push_back(m), state.push_back(m.grad());
     return resident_bytes(params_, state, d);
   });
@@ -170,7 +183,7 @@ void Trainer::resolve_budget_policy() {
                  "[checkpoint] budget policy on CPU needs memtrain::cpu_memory::install()");
   auto profile = profile_block_activations(*model_, [&] { return forward_loss(batch); }, measure_device);
   optimizer_->zero_grad(true);
-  model_->zero_grad(true);
+  model_->zero_grad(true);  // several ranks: DataParallel::begin_step re-attaches the gradient buckets
   policy_.blocks = plan_checkpoint_budget(profile, static_cast<int64_t>(policy_.budget_mib * 1024 * 1024));
 }
 
@@ -181,12 +194,18 @@ StepResult Trainer::step() {
   r.step = step_;
   r.lr = schedule_->at(step_);
   set_learning_rate(*optimizer_, r.lr);
-  optimizer_->zero_grad(/*set_to_none=*/true);
-  if (!master_.empty()) model_->zero_grad(/*set_to_none=*/true);
+  if (dp_) {
+    dp_->begin_step();  // zeroes the flat gradient buckets in place: parameters' gradients are views into them
+  } else {
+    optimizer_->zero_grad(/*set_to_none=*/true);
+    if (!master_.empty()) model_->zero_grad(/*set_to_none=*/true);
+  }
   tracker_->begin_step(step_);
-  // Dropout draws from the default generators, reseeded from (seed, step): a step's masks do not depend
-  // on what ran before it in the process (another trainer, an evaluation) and a resumed run repeats them.
-  torch::manual_seed(static_cast<uint64_t>(t.seed) * 1000003u + static_cast<uint64_t>(step_));
+  // Dropout draws from the default generators, reseeded from (seed, step, rank): a step's masks do not
+  // depend on what ran before it in the process (another trainer, an evaluation), a resumed run repeats
+  // them, and ranks draw different masks for their different samples.
+  torch::manual_seed(static_cast<uint64_t>(t.seed) * 1000003u + static_cast<uint64_t>(step_) +
+                     static_cast<uint64_t>(world_.rank) * 0x9E3779B97F4A7C15ull);
 
   // 1. Micro-batches: forward under autocast, loss scaled to the mean over the step, backward.
   auto loss_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat).device(device_));
@@ -194,16 +213,23 @@ StepResult Trainer::step() {
     auto batch = to_device(data_->train_batch(step_, micro, t.micro_batch));
     auto loss = forward_loss(batch) / static_cast<double>(t.accum_steps);
     tracker_->end_phase(Phase::kForward);
+    // 2. Several ranks: buckets are reduced as they fill during this backward (every micro-batch, or the
+    //    last only with dist.reduce = step); end_micro_batch waits for them.
+    if (dp_) dp_->begin_micro_batch(/*last=*/micro + 1 == t.accum_steps);
     (scaler_ ? scaler_->scale(loss) : loss).backward();
+    if (dp_) dp_->end_micro_batch();
     move_grads_to_masters();  // bf16 parameters: accumulate in fp32, not across micro-batches in bf16
     tracker_->end_phase(Phase::kBackward);
     loss_sum += loss.detach();
   }
-  // 2. Reduce gradients across ranks: a single process has nothing to reduce.
-  // 3. Unscale (fp16), clip; the norm stays on the device (fp32 master gradients when there are masters).
-  const auto& stepped = master_.empty() ? params_ : master_;
-  if (scaler_) scaler_->unscale(stepped);
-  r.grad_norm = clip_grad_norm(stepped, t.grad_clip);
+  // 3. Unscale (fp16), clip; the norm stays on the device (fp32 master gradients when there are masters;
+  //    several ranks: this rank's reduced part, and the norm is global).
+  const auto stepped = dp_ ? dp_->stepped_tensors() : (master_.empty() ? params_ : master_);
+  if (scaler_) {
+    scaler_->unscale(stepped);
+    if (dp_) dp_->all_reduce_found_inf(scaler_->found_inf());  // every rank skips, or none
+  }
+  r.grad_norm = dp_ ? dp_->clip_grad_norm(t.grad_clip) : clip_grad_norm(stepped, t.grad_clip);
   // 4. Optimizer step (skipped by the scaler on inf/NaN gradients).
   if (scaler_) {
     r.applied = scaler_->step(*optimizer_, stepped);
@@ -214,6 +240,10 @@ StepResult Trainer::step() {
   if (!master_.empty()) {
     torch::NoGradGuard no_grad;
     torch::_foreach_copy_(params_, master_);  // fp32 -> bf16, rounded once per step
+  }
+  if (dp_) {
+    dp_->after_optimizer_step();  // masters -> parameters, and the updated parts all-gathered
+    r.comm_bytes = dp_->take_bytes_communicated();
   }
   tracker_->end_phase(Phase::kOptimizer);
   // 5. Memory sample of this step.
@@ -247,6 +277,15 @@ EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
     e.samples += n;
   }
   model_->train();
+  if (dp_) {  // every rank evaluated its own part: sums over ranks
+    auto sums = torch::tensor({loss_sum, static_cast<double>(correct), static_cast<double>(e.samples)},
+                              torch::TensorOptions().dtype(torch::kDouble).device(device_));
+    dp_->group_all_reduce_sum(sums);
+    auto host = sums.cpu();
+    loss_sum = host[0].item<double>();
+    correct = static_cast<int64_t>(host[1].item<double>());
+    e.samples = static_cast<int64_t>(host[2].item<double>());
+  }
   e.loss = std::numeric_limits<double>::quiet_NaN();  // no held-out data (val_fraction = 0)
   if (e.samples > 0) {
     e.loss = loss_sum / static_cast<double>(e.samples);
@@ -291,12 +330,14 @@ void Trainer::fit() {
               << "batch:      " << t.micro_batch << " x " << t.accum_steps << " micro-batches x " << world_.world_size
               << " ranks = " << t.micro_batch * t.accum_steps * world_.world_size << " samples per step\n"
               << "checkpoint: " << policy_.describe() << ", head " << config_.memory.head << "\n"
+              << (dp_ ? "parallel:   " + dp_->describe() + "\n" : std::string())
               << "run folder: " << run_dir_ << "\n"
               << std::flush;
   }
   if (config_.memory.track)
     tracker_->write_jsonl((fs::path(run_dir_) / ("memory.rank" + std::to_string(world_.rank) + ".jsonl")).string());
-  std::ofstream metrics((fs::path(run_dir_) / "metrics.jsonl").string(), std::ios::trunc);
+  std::ofstream metrics;  // rank 0 only
+  if (main) metrics.open((fs::path(run_dir_) / "metrics.jsonl").string(), std::ios::trunc);
   const auto ckpt_dir = config_.checkpoint.dir.empty() ? (fs::path(run_dir_) / "checkpoints").string() : config_.checkpoint.dir;
 
   const double samples_per_step = static_cast<double>(t.micro_batch * t.accum_steps * world_.world_size);
@@ -314,6 +355,11 @@ void Trainer::fit() {
       const double ms = std::chrono::duration<double, std::milli>(now - last_time).count() /
                         static_cast<double>(step_ - last_step);
       last_time = now, last_step = step_;
+      if (dp_) {  // the mean over ranks: each rank's loss is the mean over its own samples
+        auto l = r.loss.to(torch::kDouble);
+        dp_->group_all_reduce_sum(l);
+        r.loss = l / static_cast<double>(world_.world_size);
+      }
       last_loss = r.loss.item<double>();
       const double norm = r.grad_norm.item<double>();
       const auto& mem = tracker_->last();
@@ -323,6 +369,7 @@ void Trainer::fit() {
       if (model_->train_flops_per_sample() > 0)  // 0: the model's FLOPs are unknown
         j["mfu_flops_per_s"] = samples_per_step * model_->train_flops_per_sample() * 1000 / ms;
       if (scaler_) j["loss_scale"] = scaler_->current_scale(), j["skipped"] = !r.applied;
+      if (dp_) j["comm_bytes"] = r.comm_bytes;  // this rank's, in the last step's collectives
       for (const auto& m : mem) j["peak_" + m.device] = m.peak_allocated;
       metrics << j.dump() << "\n" << std::flush;
       if (main) {

@@ -26,6 +26,7 @@ inline constexpr std::array<std::string_view, 3> optimizer{"adamw", "adamw_loop"
 inline constexpr std::array<std::string_view, 3> precision{"fp32", "bf16", "fp16"};
 inline constexpr std::array<std::string_view, 2> param_dtype{"fp32", "bf16"};
 inline constexpr std::array<std::string_view, 3> backend{"auto", "gloo", "nccl"};
+inline constexpr std::array<std::string_view, 2> dist_reduce{"step", "micro_batch"};
 inline constexpr std::array<std::string_view, 3> progress{"auto", "bar", "lines"};
 
 // "a | b | c", for messages and help.
@@ -101,7 +102,10 @@ struct MemoryConfig {
 
 struct DistConfig {
   std::string backend = "auto";  // auto | gloo | nccl
-  int64_t timeout_s = 300;
+  int64_t timeout_s = 300;       // rendezvous and every collective
+  int64_t zero_stage = 0;        // 0: data parallel (all-reduce) | 1: + sharded optimizer state | 2: + sharded gradients
+  double bucket_mib = 25;        // gradient bucket size (DDP's default)
+  std::string reduce = "step";   // step: accumulate micro-batches locally, reduce once | micro_batch: reduce each
 };
 
 struct LogConfig {

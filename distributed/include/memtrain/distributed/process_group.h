@@ -9,6 +9,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <chrono>
 #include <memory>
@@ -20,7 +21,6 @@
 namespace c10d {
 class Backend;
 class Store;
-class Work;
 }  // namespace c10d
 
 namespace memtrain {
@@ -72,9 +72,9 @@ class ProcessGroup {
   void broadcast(at::Tensor& tensor, int root);
   void barrier();
 
-  // Bytes this rank has sent into collectives since the last call (a ring moves about 2 (N-1)/N of an
-  // all-reduce's buffer per rank; counted here as the buffer's size per collective).
-  int64_t take_bytes_communicated();
+  // Bytes this rank has put into collectives so far: each collective counts its buffer's size (a ring
+  // all-reduce moves about 2 (N-1)/N of it per rank, a reduce-scatter or all-gather (N-1)/N).
+  int64_t bytes_communicated() const { return bytes_; }
 
  private:
   ProcessGroup() = default;

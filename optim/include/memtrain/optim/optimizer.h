@@ -47,6 +47,11 @@ class FusedAdamW : public torch::optim::Optimizer {
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& options,
                                                         const torch::OrderedDict<std::string, torch::Tensor>& params);
 
+// The same, with the decay / no-decay split already made (flat buckets, whose tensors are all 1-D).
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& options,
+                                                        const std::vector<torch::Tensor>& decay,
+                                                        const std::vector<torch::Tensor>& no_decay);
+
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr);
 
 // Every tensor the optimizer keeps as state (AdamW: exp_avg, exp_avg_sq; SGD: momentum buffer).

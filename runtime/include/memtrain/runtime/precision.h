@@ -88,6 +88,8 @@ class GradScaler {
   void update();
 
   double current_scale() const;  // host read, for logging
+  // This step's found-inf flag, () fp32, set by unscale(): several ranks MAX-reduce it before step().
+  torch::Tensor& found_inf() { return found_inf_; }
   bool enabled() const { return options_.enabled; }
   const GradScalerOptions& options() const { return options_; }
 

@@ -22,6 +22,7 @@
 #include "memtrain/runtime/checkpointing.h"
 #include "memtrain/core/config.h"
 #include "memtrain/data/datasets.h"
+#include "memtrain/distributed/data_parallel.h"
 #include "memtrain/distributed/world.h"
 #include "memtrain/core/memory_tracker.h"
 #include "memtrain/models/model.h"
@@ -33,7 +34,8 @@ namespace memtrain {
 struct StepResult {
   int64_t step = 0;
   torch::Tensor loss;       // () fp32 on the device: mean over the step's micro-batches
-  torch::Tensor grad_norm;  // () fp32 on the device: before clipping
+  torch::Tensor grad_norm;  // () fp32 on the device: before clipping (global over ranks)
+  int64_t comm_bytes = 0;   // bytes this rank put into collectives during the step
   double lr = 0;
   bool applied = true;      // false when the fp16 scaler skipped the step (inf/NaN gradients)
 };
@@ -69,6 +71,9 @@ class Trainer {
   const std::string& run_dir() const { return run_dir_; }
   // Distinct trainable parameters (tied weights once).
   const std::vector<torch::Tensor>& parameters() const { return params_; }
+  // The data-parallel engine of a multi-process run (ZeRO stages 0-2); null in a single process.
+  DataParallel* data_parallel() { return dp_.get(); }
+  const World& world() const { return world_; }
   // fp32 master copies of parameters() when train.param_dtype = bf16 (the optimizer steps these); else empty.
   const std::vector<torch::Tensor>& master_weights() const { return master_; }
 
@@ -87,6 +92,7 @@ class Trainer {
   std::vector<torch::Tensor> params_;
   std::vector<torch::Tensor> master_;  // param_dtype bf16: fp32 copies, same order as params_
   c10::ScalarType param_dtype_ = torch::kFloat;
+  std::unique_ptr<DataParallel> dp_;  // world_size > 1
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<CosineSchedule> schedule_;
   Precision precision_ = Precision::kFp32;

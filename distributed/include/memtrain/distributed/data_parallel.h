@@ -1,0 +1,100 @@
+// Data parallelism over a ProcessGroup, with ZeRO stages 0, 1 and 2 (Rajbhandari et al. 2020).
+//
+// The model's trainable parameters are packed into flat buckets per (device, dtype, weight decay), in
+// reverse order of registration (the order backward produces their gradients), each padded to a
+// multiple of the world size. Parameters become views into their bucket (their TensorImpl is kept, so
+// autograd, hooks and the checkpoint function see the same leaves), and so do their gradients, which
+// autograd accumulates into in place. Rank r owns elements [r S, (r + 1) S) of every bucket (S = padded
+// size / N):
+//
+//   stage 0  gradients all-reduced (sum, then / N: Gloo has no AVG); every rank steps everything.
+//   stage 1  gradients reduce-scattered into this rank's shard; optimizer state (and fp32 master
+//            weights with bf16 parameters) exist for the shard only; the updated shards are all-gathered.
+//   stage 2  as 1, and a bucket's full-size gradient is freed as soon as it has been reduce-scattered.
+//
+// Reductions start during backward as buckets fill (a post-hook on each parameter's AccumulateGrad, which
+// runs once per backward even for a tied weight or a checkpointed block), strictly in bucket order so
+// every rank issues the same collectives in the same order.
+//
+//   DataParallel dp(group, trainer_params, {.stage = 1});
+//   auto opt = make_optimizer(opts, dp.decay_tensors(), dp.no_decay_tensors());   // shards, with .grad
+//   for each micro-batch: dp.begin_micro_batch(last); loss.backward(); dp.end_micro_batch();
+//   dp.clip_grad_norm(1.0); opt->step(); dp.after_optimizer_step();
+#pragma once
+
+#include <torch/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "memtrain/core/memory_tracker.h"
+#include "memtrain/distributed/process_group.h"
+
+namespace memtrain {
+
+struct DataParallelOptions {
+  int stage = 0;                      // ZeRO stage: 0 | 1 | 2
+  double bucket_mib = 25;             // target bucket size (DDP's default)
+  bool reduce_every_micro_batch = false;  // true: reduce after every micro-batch (least memory);
+                                          // false: accumulate locally, reduce after the last (least traffic)
+  bool master_weights = false;        // bf16 parameters: the optimizer steps fp32 copies of this rank's part
+};
+
+class DataParallel {
+ public:
+  // `named_params`: the distinct trainable parameters (tied weights once), all on one device.
+  DataParallel(std::shared_ptr<ProcessGroup> group, const std::vector<std::pair<std::string, torch::Tensor>>& named_params,
+               DataParallelOptions options);
+  ~DataParallel();
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  // What the optimizer steps: one tensor per bucket, this rank's part of it (stage 0: the whole bucket;
+  // fp32 masters with master_weights), its .grad the reduced gradient of that part. Split by whether
+  // the bucket's parameters take weight decay (matrices and filters) or not.
+  const std::vector<torch::Tensor>& decay_tensors() const { return decay_; }
+  const std::vector<torch::Tensor>& no_decay_tensors() const { return no_decay_; }
+  std::vector<torch::Tensor> stepped_tensors() const;  // both lists
+
+  void begin_step();                           // zero the reduced gradients
+  void begin_micro_batch(bool last);           // before a backward: gradient buckets ready, hooks armed
+  void end_micro_batch();                      // after it: every bucket reduced, waited for
+  // Scales the reduced gradients so that their global L2 norm is at most max_norm (0: no clipping);
+  // returns the norm before clipping (a device tensor; stages 1 and 2 all-reduce the squared shard norms).
+  torch::Tensor clip_grad_norm(double max_norm);
+  // fp16: found-inf of this rank's gradients MAX-reduced over ranks (in place).
+  void all_reduce_found_inf(torch::Tensor& found_inf);
+  void after_optimizer_step();                 // masters -> parameters; all-gather the updated parts
+
+  // Resident bytes on `device`: parameters (full, replicated), gradients (full buckets held + reduced
+  // parts), and masters + their gradients + `optimizer_state` as optimizer state.
+  ResidentBytes resident(const std::vector<torch::Tensor>& optimizer_state, const c10::Device& device) const;
+  // Bytes put into the step's collectives since the last call.
+  int64_t take_bytes_communicated();
+  // A sum over ranks outside the step (evaluation, logged losses): its bytes are not the step's traffic.
+  void group_all_reduce_sum(torch::Tensor& t);
+  const ProcessGroup& group() const { return *group_; }
+  int64_t num_buckets() const;
+  std::string describe() const;
+
+ private:
+  struct Bucket;
+  void on_gradient_ready(size_t bucket);
+  void launch_ready_buckets();
+  void launch(Bucket& b);
+  void finish(Bucket& b);
+  void allocate_gradients(Bucket& b);
+
+  std::shared_ptr<ProcessGroup> group_;
+  DataParallelOptions options_;
+  std::vector<std::unique_ptr<Bucket>> buckets_;
+  std::vector<torch::Tensor> decay_, no_decay_;
+  size_t next_to_launch_ = 0;
+  bool armed_ = false;
+  bool last_micro_ = true;
+  int64_t bytes_taken_ = 0;      // ProcessGroup::bytes_communicated() at the last take
+  int64_t bytes_uncounted_ = 0;  // of which outside the step (broadcast at start, evaluation, losses)
+};
+
+}  // namespace memtrain
