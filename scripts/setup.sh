@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # memtrain set-up, shared by the README's two commands, .ci/run and the Dockerfile.
 # Idempotent and quiet when everything is in place:
-#   1. Debian packages (Boost.Program_options, GoogleTest, nlohmann-json, ccache, ninja, Fashion-MNIST);
+#   1. Debian packages (scripts/packages.txt: Boost.Program_options, GoogleTest, nlohmann-json, gloo
+#      headers, ccache, ninja, Fashion-MNIST);
 #   2. the torch==2.11.0 virtualenv (CUDA 13 wheel) in a cache outside the clone, keyed by its pins;
 #   3. the real datasets, prepared into the same cache;
 #   4. CMake configure + build (ccache in the cache) into ./build.
@@ -10,6 +11,7 @@
 #              MEMTRAIN_CUDA: which CUDA 13 toolkit CMake gets (torch's config needs one even for CPU use):
 #                auto (default): $CUDA_HOME (default /usr/local/cuda) when it has bin/nvcc, else pip;
 #                system: $CUDA_HOME only; pip: NVIDIA's PyPI packages, installed into the venv (once).
+# `setup.sh --no-build` stops before configuring (the Dockerfile's dependency layer).
 # `setup.sh --cuda-from-pip VENV_PYTHON` only does the pip part for that venv and prints the toolkit root
 # (tests/package/configure_without_system_cuda.sh).
 set -euo pipefail
@@ -22,8 +24,7 @@ PYTHON="${MEMTRAIN_PYTHON_BASE:-python3}"
 DATA="$CACHE/data"
 BUILD="${MEMTRAIN_BUILD:-$ROOT/build}"
 BUILD_TYPE="${MEMTRAIN_BUILD_TYPE:-Release}"
-APT_PACKAGES=(cmake ninja-build g++ ccache libboost-program-options-dev libgtest-dev googletest
-              nlohmann-json3-dev zlib1g-dev dataset-fashion-mnist dpkg-dev)
+mapfile -t APT_PACKAGES < <(grep -vE '^\s*(#|$)' "$ROOT/scripts/packages.txt")
 
 log() { echo "[setup] $*" >&2; }
 die() { echo "[setup] $*" >&2; exit 1; }
@@ -41,12 +42,13 @@ CUDA_PIP_PACKAGES=(nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvv
 # CMake and nvcc's own profile do not find everything in: nvcc links with -L$TOP/lib64, FindCUDA and
 # FindCUDAToolkit look for unversioned libcudart.so & co. $VENV/cuda-toolkit is that layout in
 # (relative) symlinks: bin/ one link per tool (nvcc takes its TOP from the path it was started by),
-# include and nvvm, lib/ with the libraries plus libX.so -> libX.so.N, lib64 -> lib.
+# nvvm, include/ with the headers plus NCCL's (nvidia-nccl-cu13, a torch dependency: CMakeLists.txt
+# looks for nccl.h in the toolkit), lib/ with the libraries plus libX.so -> libX.so.N, lib64 -> lib.
 cuda_from_pip() {
   local py="$1" venv cu13 stamp
   venv="$("$py" -c 'import sys;print(sys.prefix)')"
   CUDA_ROOT="$venv/cuda-toolkit"
-  stamp="${CUDA_PIP_PACKAGES[*]}"
+  stamp="layout 2: ${CUDA_PIP_PACKAGES[*]}"  # a new layout or pin set redoes it
   [ "$(cat "$CUDA_ROOT/.pins" 2>/dev/null)" != "$stamp" ] || return 0
   exec 9>"$venv/.cuda-toolkit.lock"
   flock 9  # the venv is shared by every clone: one installer at a time
@@ -56,18 +58,20 @@ cuda_from_pip() {
     cu13="$("$py" -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')/nvidia/cu13"
     local tmp="$CUDA_ROOT.tmp" f n
     rm -rf "$tmp" "$CUDA_ROOT"
-    mkdir -p "$tmp/bin" "$tmp/lib"
+    mkdir -p "$tmp/bin" "$tmp/include" "$tmp/lib"
     for f in "$cu13"/bin/*; do ln -sr "$f" "$tmp/bin/"; done
+    for f in "$cu13"/include/* "$cu13"/../nccl/include/*; do
+      if [ -e "$f" ] && [ ! -e "$tmp/include/${f##*/}" ]; then ln -sr "$f" "$tmp/include/"; fi
+    done
     for f in "$cu13"/lib/*; do ln -sr "$f" "$tmp/lib/"; done
     for f in "$cu13"/lib/lib*.so.*; do
       n="${f##*/}"
-      [ -e "$tmp/lib/${n%%.so.*}.so" ] || ln -s "$n" "$tmp/lib/${n%%.so.*}.so"
+      if [ ! -e "$tmp/lib/${n%%.so.*}.so" ]; then ln -s "$n" "$tmp/lib/${n%%.so.*}.so"; fi
     done
-    ln -sr "$cu13/include" "$tmp/include"
     ln -sr "$cu13/nvvm" "$tmp/nvvm"
     ln -s lib "$tmp/lib64"
     for f in bin/nvcc bin/ptxas bin/fatbinary bin/nvlink nvvm/bin/cicc include/cuda_runtime.h \
-             include/crt/host_config.h include/nv/target lib/libcudart.so lib/libcudart_static.a; do
+             include/crt/host_config.h include/nv/target include/nccl.h lib/libcudart.so lib/libcudart_static.a; do
       [ -e "$tmp/$f" ] || die "the CUDA toolkit from PyPI lacks $f (in $cu13)"
     done
     "$tmp/bin/nvcc" --version | grep -q 'release 13\.0' || die "$tmp/bin/nvcc is not CUDA 13.0"
@@ -132,6 +136,8 @@ esac
 
 # 3. Data from Debian packages (a failure here fails the set-up).
 "$VENV/bin/python" "$ROOT/scripts/prepare_data.py" "$DATA" | { grep -v '^prepared .*fashion-mnist$' || true; }
+
+[ "${1:-}" = "--no-build" ] && exit 0
 
 # 4. Configure and build.
 export CCACHE_DIR="$CACHE/ccache" CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime

@@ -135,6 +135,24 @@ int free_port(const std::string& addr) {
 volatile sig_atomic_t g_signal = 0;
 void on_signal(int sig) { g_signal = sig; }
 
+// Children are reaped in the SIGCHLD handler, in the order they exit: when one rank dies and its peers
+// fail a moment later in their collectives, the launcher names the first, not whichever it polls first.
+constexpr int kMaxChildren = 4096;
+pid_t g_exited_pid[kMaxChildren];
+int g_exited_status[kMaxChildren];
+volatile sig_atomic_t g_exited = 0;
+void on_child(int) {
+  const int saved = errno;
+  int status = 0;
+  pid_t pid;
+  while (g_exited < kMaxChildren && (pid = waitpid(-1, &status, WNOHANG)) > 0) {
+    g_exited_pid[g_exited] = pid;
+    g_exited_status[g_exited] = status;
+    g_exited = g_exited + 1;
+  }
+  errno = saved;
+}
+
 struct Child {
   int rank = 0;
   pid_t pid = -1;
@@ -190,6 +208,11 @@ int main(int argc, char** argv) {
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
   signal(SIGPIPE, SIG_IGN);
+  struct sigaction sc{};
+  sc.sa_handler = on_child;
+  sc.sa_flags = SA_RESTART | SA_NOCLDSTOP;
+  sigaction(SIGCHLD, &sc, nullptr);
+  if (o.nproc > kMaxChildren) usage_error("--nproc-per-node above " + std::to_string(kMaxChildren));
 
   std::vector<Child> children(static_cast<size_t>(o.nproc));
   for (int local = 0; local < o.nproc; ++local) {
@@ -231,6 +254,7 @@ int main(int argc, char** argv) {
   }
 
   int result = 0;
+  int handled = 0;  // entries of g_exited_* already processed
   bool stopping = false;
   auto stop_time = std::chrono::steady_clock::time_point::max();
   auto stop_all = [&](int sig) {
@@ -253,11 +277,10 @@ int main(int argc, char** argv) {
       stopping = true;
       stop_time = std::chrono::steady_clock::now() + std::chrono::seconds(o.grace_s);
     }
-    bool any_running = false;
-    for (auto& c : children) {
-      if (!c.running) continue;
-      int status = 0;
-      if (waitpid(c.pid, &status, WNOHANG) == c.pid) {
+    for (; handled < g_exited; ++handled) {  // in exit order
+      for (auto& c : children) {
+        if (!c.running || c.pid != g_exited_pid[handled]) continue;
+        const int status = g_exited_status[handled];
         c.running = false;
         c.status = status;
         drain(c);
@@ -272,10 +295,10 @@ int main(int argc, char** argv) {
           stop_all(SIGTERM);
           stop_time = std::chrono::steady_clock::now() + std::chrono::seconds(o.grace_s);
         }
-      } else {
-        any_running = true;
       }
     }
+    bool any_running = false;
+    for (const auto& c : children) any_running = any_running || c.running;
     if (!any_running) break;
     if (stopping && std::chrono::steady_clock::now() > stop_time) {
       std::cerr << "memtrain-run: ranks still running " << o.grace_s << " s after the stop: killing them\n";
@@ -283,6 +306,11 @@ int main(int argc, char** argv) {
       stop_time = std::chrono::steady_clock::time_point::max();
     }
   }
-  if (result != 0 && !g_signal) std::cerr << "memtrain-run: failed with exit code " << result << "\n";
+  if (result != 0 && !g_signal) {
+    std::cerr << "memtrain-run: failed with exit code " << result << " (";
+    for (size_t i = 0; i < children.size(); ++i)
+      std::cerr << (i ? ", " : "") << "rank " << children[i].rank << ": " << exit_code(children[i].status);
+    std::cerr << ")\n";
+  }
   return result;
 }

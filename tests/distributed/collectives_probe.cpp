@@ -1,6 +1,6 @@
 // A rank of a multi-process test (started by memtrain-run or torchrun): checks every collective of
 // memtrain::ProcessGroup against arithmetic, then prints "collectives ok". Environment knobs for the
-// failure tests: PROBE_DIE_RANK=r makes rank r exit with code 3 after the rendezvous; PROBE_TIMEOUT_S
+// failure tests: PROBE_DIE_RANK=r makes rank r exit at once with code 3 after the rendezvous; PROBE_TIMEOUT_S
 // sets the group's timeout; PROBE_PRINT_PID prints this process's pid first.
 #include <torch/torch.h>
 #include <unistd.h>
@@ -21,7 +21,7 @@ int main() {
     const int r = g->rank(), n = g->size();
     if (const char* die = std::getenv("PROBE_DIE_RANK"); die && std::atoi(die) == r) {
       std::cout << "dying on purpose" << std::endl;
-      return 3;
+      _exit(3);  // at once, as a crash would: no destructors closing the group politely
     }
     // all-reduce: sum over ranks of (rank + 1) * [1, 2, 3] = n (n + 1) / 2 * [1, 2, 3]
     auto t = torch::tensor({1.f, 2.f, 3.f}) * static_cast<float>(r + 1);

@@ -2,7 +2,7 @@
 # CTest: a machine without a CUDA toolkit. scripts/setup.sh's CUDA-from-PyPI part (--cuda-from-pip)
 # assembles the toolkit in the venv of VENV_PYTHON, then tests/package/torch_probe (find_package(Torch)
 # and a 5-line LibTorch program) is configured against it, built and run, with the system toolkit
-# hidden: CUDA_HOME, CUDA_PATH, CUDACXX unset, no PATH entry with an nvcc, and, where the kernel lets us
+# hidden: CUDA_HOME, CUDA_PATH, CUDACXX unset, no "cuda" entry in PATH & co., and, where the kernel lets us
 # (root or unprivileged user namespaces), an empty tmpfs mounted over the system toolkit's directory in
 # a private mount namespace, which also hides the links into it (/usr/local/{bin,lib,lib64,include} on
 # some images). Passes only when nothing CMake found, nothing compiled and nothing loaded at run time
@@ -13,10 +13,14 @@ set -euo pipefail
 shopt -s inherit_errexit
 PY="$1" SRC="$2"
 
-# The system toolkit's real directories (the default locations, and CUDA_HOME/CUDA_PATH if set).
+# The system toolkit's real directories (the default locations, and CUDA_HOME/CUDA_PATH if set), never
+# a shared prefix such as /usr.
 system=()
-for d in /usr/local/cuda /usr/local/cuda-* /opt/cuda ${CUDA_HOME:-} ${CUDA_PATH:-}; do
-  [ -d "$d" ] && system+=("$(readlink -f "$d")")
+for d in /usr/local/cuda /usr/local/cuda-* /opt/cuda /usr/lib/cuda ${CUDA_HOME:-} ${CUDA_PATH:-}; do
+  if [ -d "$d" ]; then
+    d="$(readlink -f "$d")"
+    case "$d" in /|/usr|/usr/local|/opt|/usr/lib) ;; *) system+=("$d") ;; esac
+  fi
 done
 mapfile -t system < <(printf '%s\n' "${system[@]}" | sort -u | sed '/^$/d')
 
@@ -41,10 +45,10 @@ generator=()
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER="$(command -v ccache)")
 unset CUDA_HOME CUDA_PATH CUDACXX CUDAToolkit_ROOT CUDA_BIN_PATH CUDA_TOOLKIT_ROOT
-without_cuda() {  # a :-separated list without its CUDA entries (and, for PATH, without dirs with an nvcc)
+without_cuda() {  # a :-separated list without its CUDA entries
   local kept=() p
   IFS=: read -ra entries <<<"$1"
-  for p in "${entries[@]}"; do [[ -z "$p" || "$p" == *cuda* || -e "$p/nvcc" ]] || kept+=("$p"); done
+  for p in "${entries[@]}"; do [[ -z "$p" || "$p" == *cuda* ]] || kept+=("$p"); done
   (IFS=:; echo "${kept[*]}")
 }
 for v in PATH LD_LIBRARY_PATH LIBRARY_PATH CPATH C_INCLUDE_PATH CPLUS_INCLUDE_PATH; do
@@ -53,6 +57,8 @@ done
 
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/memtrain-nocuda-XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
+# ccache hits across runs although each run builds in a new directory.
+export CCACHE_BASEDIR="$WORK" CCACHE_NOHASHDIR=1
 start=$SECONDS
 
 CUDA_ROOT="$("$SRC/scripts/setup.sh" --cuda-from-pip "$PY")"
@@ -76,7 +82,7 @@ if grep -n '/usr/local/cuda' "${cache[@]}"; then
 fi
 in_system() {  # path -> 0 when its real path lies in the system toolkit
   local real s
-  real="$(readlink -f "$1" 2>/dev/null)" || return 1
+  real="$(readlink -m "$1")"
   for s in "${system[@]}"; do [[ "$real" == "$s" || "$real" == "$s"/* ]] && return 0; done
   return 1
 }

@@ -1,0 +1,183 @@
+// Data parallel training and ZeRO stages 0-2 on 2 and 4 Gloo processes, started through memtrain-run
+// (and torchrun): the same losses and final weights as one process with the same global batch, and
+// per-rank optimizer-state and gradient bytes of 1/N.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+
+#include "helpers.h"
+#include "memtrain/core/safetensors.h"
+
+namespace memtrain {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string bin(const std::string& name) { return (fs::path(MEMTRAIN_BINARY_DIR) / name).string(); }
+
+// A number field of a one-line JSON object ("key":value).
+double field(const std::string& json, const std::string& key) {
+  std::smatch m;
+  if (!std::regex_search(json, m, std::regex("\"" + key + "\":(-?[0-9.eE+-]+)"))) return std::nan("");
+  return std::stod(m[1]);
+}
+
+struct Run {
+  int code = -1;
+  std::string output;
+  std::vector<double> losses;                    // per step, averaged over ranks (metrics.jsonl)
+  std::map<std::string, torch::Tensor> weights;  // saved at the end by rank 0
+  std::vector<std::string> last_memory;          // per rank: the last line of memory.rank<r>.jsonl
+};
+
+// Trains a small GPT on the Austen text for 4 steps: one process (ranks = 1) or `ranks` processes.
+Run train(int ranks, int64_t global_batch, const std::vector<std::string>& extra, const std::string& launcher = "") {
+  static int counter = 0;
+  const auto dir = fs::temp_directory_path() / ("memtrain-dp-" + std::to_string(::getpid()));
+  const auto name = "run" + std::to_string(counter++);
+  std::string args = " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
+                     " --model.n_layer=2 --model.n_head=2 --model.n_embd=32 --model.block_size=32 --train.steps=4"
+                     " --train.warmup_steps=1 --train.eval_every=0 --log.every=1 --log.progress=lines"
+                     " --train.micro_batch=" + std::to_string(global_batch / ranks) +
+                     " --log.dir=" + dir.string() + " --log.name=" + name;
+  for (const auto& e : extra) args += " " + e;
+  std::string command = bin("memtrain") + args;
+  if (ranks > 1)
+    command = (launcher.empty() ? bin("memtrain-run") + " --standalone --nproc-per-node " + std::to_string(ranks) + " --"
+                                : launcher + " --nproc-per-node " + std::to_string(ranks)) +
+              " " + command;
+  Run r;
+  FILE* p = popen((command + " 2>&1").c_str(), "r");
+  std::array<char, 4096> buf;
+  while (p && fgets(buf.data(), buf.size(), p)) r.output += buf.data();
+  const int status = p ? pclose(p) : -1;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream metrics(dir / name / "metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);)
+    if (line.find("\"loss\"") != std::string::npos) r.losses.push_back(field(line, "loss"));
+  if (fs::exists(dir / name / "checkpoints" / "model.safetensors"))
+    r.weights = load_safetensors((dir / name / "checkpoints" / "model.safetensors").string());
+  for (int rank = 0; rank < ranks; ++rank) {
+    std::ifstream mem(dir / name / ("memory.rank" + std::to_string(rank) + ".jsonl"));
+    std::string line, last;
+    while (std::getline(mem, line)) last = line;
+    r.last_memory.push_back(last);
+  }
+  fs::remove_all(dir / name);
+  return r;
+}
+
+void expect_same_training(const Run& one, const Run& many, double loss_tol, double weight_tol) {
+  ASSERT_EQ(one.code, 0) << one.output;
+  ASSERT_EQ(many.code, 0) << many.output;
+  ASSERT_EQ(one.losses.size(), 4u) << one.output;
+  ASSERT_EQ(many.losses.size(), one.losses.size()) << many.output;
+  for (size_t s = 0; s < one.losses.size(); ++s)
+    EXPECT_NEAR(many.losses[s], one.losses[s], loss_tol * std::abs(one.losses[s])) << "step " << s + 1;
+  ASSERT_EQ(many.weights.size(), one.weights.size());
+  for (const auto& [key, w] : one.weights) EXPECT_LT(test::relative_error(many.weights.at(key), w), weight_tol) << key;
+}
+
+TEST(DataParallel, StagesZeroOneTwoOnTwoAndFourRanksMatchOneProcess) {
+  const auto one = train(1, 8, {});
+  for (int ranks : {2, 4}) {
+    for (int stage : {0, 1, 2}) {
+      SCOPED_TRACE("ranks " + std::to_string(ranks) + ", stage " + std::to_string(stage));
+      // Small buckets, so that several reductions overlap backward.
+      const auto many = train(ranks, 8, {"--dist.zero_stage=" + std::to_string(stage), "--dist.bucket_mib=0.05"});
+      // The same samples, summed in another order: fp32 rounding apart.
+      expect_same_training(one, many, 1e-5, 1e-4);
+      EXPECT_NE(many.output.find("ZeRO stage " + std::to_string(stage) + " over " + std::to_string(ranks) + " ranks (gloo)"),
+                std::string::npos)
+          << many.output;
+    }
+  }
+}
+
+TEST(DataParallel, Bf16CheckpointingAndAccumulationInBothReduceModes) {
+  // SGD: Adam's update is the sign of a tiny gradient wherever the gradient is tiny, so bf16 rounding
+  // differences would move those weights by a whole learning rate; SGD's error stays proportional.
+  const std::vector<std::string> techniques = {"--train.precision=bf16", "--memory.recompute=all", "--train.accum_steps=2",
+                                               "--train.optimizer=sgd", "--train.lr=0.05"};
+  const auto one = train(1, 8, techniques);
+  for (const char* reduce : {"step", "micro_batch"}) {
+    SCOPED_TRACE(reduce);
+    auto args = techniques;
+    args.push_back("--dist.zero_stage=2");
+    args.push_back(std::string("--dist.reduce=") + reduce);
+    // bf16 matmuls over batches of another size may round differently: bf16's precision, not fp32's.
+    expect_same_training(one, train(2, 8, args), 2e-3, 2e-2);
+  }
+}
+
+TEST(DataParallel, Bf16ParametersWithShardedFp32Masters) {
+  const std::vector<std::string> bf16 = {"--train.param_dtype=bf16", "--train.precision=bf16", "--train.optimizer=sgd",
+                                         "--train.lr=0.05"};
+  const auto one = train(1, 8, bf16);
+  auto args = bf16;
+  args.push_back("--dist.zero_stage=1");
+  args.push_back("--dist.reduce=micro_batch");
+  // Gradients are divided by N and summed in bf16 before the fp32 masters see them.
+  expect_same_training(one, train(2, 8, args), 5e-3, 5e-2);
+}
+
+TEST(DataParallel, PerRankStateAndGradientBytesAreOneNth) {
+  const auto one = train(1, 8, {});
+  ASSERT_EQ(one.code, 0) << one.output;
+  const double state = field(one.last_memory[0], "optimizer_state"), grads = field(one.last_memory[0], "grads");
+  ASSERT_GT(state, 0);
+  for (int ranks : {2, 4}) {
+    for (int stage : {1, 2}) {
+      SCOPED_TRACE("ranks " + std::to_string(ranks) + ", stage " + std::to_string(stage));
+      const auto many = train(ranks, 8, {"--dist.zero_stage=" + std::to_string(stage)});
+      ASSERT_EQ(many.code, 0) << many.output;
+      for (int rank = 0; rank < ranks; ++rank) {
+        const auto& mem = many.last_memory[static_cast<size_t>(rank)];
+        EXPECT_NEAR(field(mem, "optimizer_state"), state / ranks, 0.05 * state / ranks) << "rank " << rank << ": " << mem;
+        if (stage == 2)
+          EXPECT_NEAR(field(mem, "grads"), grads / ranks, 0.05 * grads / ranks) << "rank " << rank << ": " << mem;
+        else  // stage 1 keeps the full gradient buckets and adds its reduced part
+          EXPECT_NEAR(field(mem, "grads"), grads * (1.0 + 1.0 / ranks), 0.05 * grads) << "rank " << rank << ": " << mem;
+      }
+    }
+  }
+}
+
+TEST(DataParallel, TorchrunLaunchesTheSameTraining) {
+  const auto torchrun = fs::path(MEMTRAIN_PYTHON).parent_path() / "torchrun";
+  const auto one = train(1, 8, {});
+  expect_same_training(one, train(2, 8, {"--dist.zero_stage=1"}, torchrun.string() + " --no-python --standalone"), 1e-5,
+                       1e-4);
+}
+
+TEST(DataParallel, AKilledRankEndsTheJobNamingItWithNoProcessLeft) {
+  // A long run; after 8 s one rank is killed with SIGKILL. The launcher must stop the other within its
+  // grace period, name the rank, and exit with 128 + 9.
+  const auto dir = fs::temp_directory_path() / ("memtrain-dp-kill-" + std::to_string(::getpid()));
+  const std::string run = bin("memtrain-run") + " --standalone --nproc-per-node 2 --grace-s 5 -- " + bin("memtrain") +
+                          " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
+                          " --model.n_layer=2 --model.n_embd=32 --model.n_head=2 --model.block_size=32"
+                          " --train.steps=100000 --log.progress=lines --log.dir=" + dir.string();
+  const std::string script = run + " > " + (dir.string() + ".log") + " 2>&1 & L=$!; sleep 8; " +
+                             "kids=$(pgrep -P $L); victim=$(echo \"$kids\" | tail -1); kill -9 $victim; wait $L; "
+                             "echo \"exit=$?\"; sleep 1; left=none-left; for k in $kids; do kill -0 $k 2>/dev/null && "
+                             "left=LEFT; done; echo $left; cat " + dir.string() + ".log";
+  FILE* p = popen(script.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf;
+  while (p && fgets(buf.data(), buf.size(), p)) out += buf.data();
+  pclose(p);
+  fs::remove_all(dir);
+  fs::remove(dir.string() + ".log");
+  EXPECT_NE(out.find("exit=137"), std::string::npos) << out;
+  EXPECT_TRUE(std::regex_search(out, std::regex("memtrain-run: rank [01] \\(pid [0-9]+\\) was killed by signal Killed"))) << out;
+  EXPECT_NE(out.find("none-left"), std::string::npos) << out;
+}
+
+}  // namespace
+}  // namespace memtrain
