@@ -1,6 +1,7 @@
 #include "memtrain/core/memory_tracker.h"
 
 #include <ATen/Context.h>
+#include <ATen/core/CachingHostAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
 
 #include <iomanip>
@@ -64,6 +65,14 @@ DeviceCounters read_counters(const c10::Device& device) {
   c.reserved = stats.reserved_bytes[kAll].current;
   c.peak_reserved = stats.reserved_bytes[kAll].peak;
   return c;
+}
+
+PinnedHostCounters read_pinned_host_counters() {
+  // The CUDA host allocator is registered by libtorch_cuda whether or not a GPU is present; without
+  // one nothing can have been pinned, and asking is skipped.
+  if (!at::hasCUDA()) return {};
+  const auto stats = at::getHostAllocator(c10::kCUDA)->get_stats();
+  return {.allocated = stats.allocated_bytes.current, .in_use = stats.active_bytes.current};
 }
 
 void reset_peak(const c10::Device& device) {
@@ -132,6 +141,7 @@ const std::vector<DeviceMemorySample>& MemoryTracker::end_step() {
       }
     }
     if (resident_source_) s.resident = resident_source_(device);
+    if (device.is_cpu()) s.pinned_host_bytes = read_pinned_host_counters().allocated;
     last_.push_back(s);
 
     auto& t = totals_[s.device];
@@ -154,6 +164,7 @@ const std::vector<DeviceMemorySample>& MemoryTracker::end_step() {
                           {"params", s.resident.params},
                           {"grads", s.resident.grads},
                           {"optimizer_state", s.resident.optimizer_state}};
+      if (device.is_cpu()) j["pinned_host_bytes"] = s.pinned_host_bytes;
       jsonl_ << j.dump() << '\n';
     }
   }

@@ -11,7 +11,9 @@
 //
 // CPU numbers come from memtrain's counting allocator (cpu_memory::install()); "reserved" equals
 // "allocated" there, as the CPU allocator caches nothing. CUDA numbers come from the caching
-// allocator's statistics, whose peaks are reset at each step start.
+// allocator's statistics, whose peaks are reset at each step start. Pinned host memory (the CUDA host
+// allocator's, e.g. offloaded checkpoint inputs) is not in the CPU counters: the CPU sample reports it
+// as pinned_host_bytes.
 #pragma once
 
 #include <torch/types.h>
@@ -49,6 +51,15 @@ struct DeviceCounters {
 DeviceCounters read_counters(const c10::Device& device);
 void reset_peak(const c10::Device& device);
 
+// Pinned (page-locked) host memory from the CUDA host allocator: offloaded checkpoint inputs and other
+// pinned_memory tensors. The counting CPU allocator never sees it, so it is reported on its own. Both
+// are 0 where CUDA is not available.
+struct PinnedHostCounters {
+  int64_t allocated = 0;  // pinned memory the process holds, blocks cached for reuse included
+  int64_t in_use = 0;     // of which held by live tensors
+};
+PinnedHostCounters read_pinned_host_counters();
+
 struct DeviceMemorySample {
   int64_t step = 0;
   int rank = 0;
@@ -60,6 +71,7 @@ struct DeviceMemorySample {
   int64_t activation_peak = 0;  // peak_allocated - start_allocated: what the step itself added
   Phase peak_phase = Phase::kStart;
   ResidentBytes resident;       // at step end
+  int64_t pinned_host_bytes = 0;  // CPU sample only: PinnedHostCounters::allocated at step end
 };
 
 struct MemoryTrackerOptions {
