@@ -67,12 +67,11 @@ DeviceCounters read_counters(const c10::Device& device) {
   return c;
 }
 
-PinnedHostCounters read_pinned_host_counters() {
+int64_t pinned_host_bytes() {
   // The CUDA host allocator is registered by libtorch_cuda whether or not a GPU is present; without
   // one nothing can have been pinned, and asking is skipped.
-  if (!at::hasCUDA()) return {};
-  const auto stats = at::getHostAllocator(c10::kCUDA)->get_stats();
-  return {.allocated = stats.allocated_bytes.current, .in_use = stats.active_bytes.current};
+  if (!at::hasCUDA()) return 0;
+  return at::getHostAllocator(c10::kCUDA)->get_stats().allocated_bytes.current;
 }
 
 void reset_peak(const c10::Device& device) {
@@ -141,7 +140,7 @@ const std::vector<DeviceMemorySample>& MemoryTracker::end_step() {
       }
     }
     if (resident_source_) s.resident = resident_source_(device);
-    if (device.is_cpu()) s.pinned_host_bytes = read_pinned_host_counters().allocated;
+    if (device.is_cpu()) s.pinned_host_bytes = pinned_host_bytes();
     last_.push_back(s);
 
     auto& t = totals_[s.device];

@@ -51,14 +51,12 @@ struct DeviceCounters {
 DeviceCounters read_counters(const c10::Device& device);
 void reset_peak(const c10::Device& device);
 
-// Pinned (page-locked) host memory from the CUDA host allocator: offloaded checkpoint inputs and other
-// pinned_memory tensors. The counting CPU allocator never sees it, so it is reported on its own. Both
-// are 0 where CUDA is not available.
-struct PinnedHostCounters {
-  int64_t allocated = 0;  // pinned memory the process holds, blocks cached for reuse included
-  int64_t in_use = 0;     // of which held by live tensors
-};
-PinnedHostCounters read_pinned_host_counters();
+// Bytes of pinned (page-locked) host memory that the CUDA host allocator holds: offloaded checkpoint
+// inputs and other pinned_memory tensors, and the freed blocks it caches for reuse (page-locked all the
+// same). The counting CPU allocator never sees this memory, so it is reported on its own. 0 where CUDA
+// is not available. (The allocator's "active" statistic is not used: in torch 2.11 a block freed
+// without pending stream events is never subtracted from it.)
+int64_t pinned_host_bytes();
 
 struct DeviceMemorySample {
   int64_t step = 0;
@@ -71,7 +69,7 @@ struct DeviceMemorySample {
   int64_t activation_peak = 0;  // peak_allocated - start_allocated: what the step itself added
   Phase peak_phase = Phase::kStart;
   ResidentBytes resident;       // at step end
-  int64_t pinned_host_bytes = 0;  // CPU sample only: PinnedHostCounters::allocated at step end
+  int64_t pinned_host_bytes = 0;  // CPU sample only: pinned_host_bytes() at step end
 };
 
 struct MemoryTrackerOptions {
