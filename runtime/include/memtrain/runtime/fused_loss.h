@@ -17,9 +17,6 @@ namespace memtrain {
 // fp32 tensor whose backward gives x and weight their gradients. Under autocast the matmuls run in
 // the autocast dtype and the softmax in fp32, as autocast does for linear + cross_entropy.
 // chunk_rows = 0 picks chunks of about 16 Mi logits (64 MiB in fp32; 333 tokens for GPT-2's vocabulary).
-// In fp16 (fp16 inputs, or fp16 autocast) a chunk has at most 1024 rows, whatever chunk_rows says: the
-// chunk's weight-gradient product sums over its rows in an fp16 GEMM output, which stays finite while
-// rows * max|x| < 65504 (see kMaxFp16ChunkRows in fused_loss.cpp).
 torch::Tensor fused_linear_cross_entropy(const torch::Tensor& x, const torch::Tensor& weight,
                                          const torch::Tensor& target, int64_t chunk_rows = 0);
 
