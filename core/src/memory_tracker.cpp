@@ -1,6 +1,7 @@
 #include "memtrain/core/memory_tracker.h"
 
 #include <ATen/Context.h>
+#include <ATen/core/CachingHostAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
 
 #include <iomanip>
@@ -64,6 +65,13 @@ DeviceCounters read_counters(const c10::Device& device) {
   c.reserved = stats.reserved_bytes[kAll].current;
   c.peak_reserved = stats.reserved_bytes[kAll].peak;
   return c;
+}
+
+int64_t pinned_host_bytes() {
+  // The CUDA host allocator is registered by libtorch_cuda whether or not a GPU is present; without
+  // one nothing can have been pinned, and asking is skipped.
+  if (!at::hasCUDA()) return 0;
+  return at::getHostAllocator(c10::kCUDA)->get_stats().allocated_bytes.current;
 }
 
 void reset_peak(const c10::Device& device) {
@@ -132,6 +140,7 @@ const std::vector<DeviceMemorySample>& MemoryTracker::end_step() {
       }
     }
     if (resident_source_) s.resident = resident_source_(device);
+    if (device.is_cpu()) s.pinned_host_bytes = pinned_host_bytes();
     last_.push_back(s);
 
     auto& t = totals_[s.device];
@@ -154,6 +163,7 @@ const std::vector<DeviceMemorySample>& MemoryTracker::end_step() {
                           {"params", s.resident.params},
                           {"grads", s.resident.grads},
                           {"optimizer_state", s.resident.optimizer_state}};
+      if (device.is_cpu()) j["pinned_host_bytes"] = s.pinned_host_bytes;
       jsonl_ << j.dump() << '\n';
     }
   }

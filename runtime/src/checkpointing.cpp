@@ -48,6 +48,34 @@ void set_rng_state(const c10::Device& d, const at::Tensor& state) {
   g.set_state(state);
 }
 
+// For its lifetime the default generators hold the forward's states (CPU, and the inputs' CUDA device
+// when there is one); the caller's own states come back on exit, also when the recompute throws.
+class ReplayForwardRng {
+ public:
+  ReplayForwardRng(const at::Tensor& cpu_state, const at::Tensor& cuda_state, const c10::Device& cuda_device)
+      : cuda_device_(cuda_device), cpu_caller_(get_rng_state(c10::kCPU)) {
+    if (cuda_state.defined()) cuda_caller_ = get_rng_state(cuda_device_);
+    set_rng_state(c10::kCPU, cpu_state);
+    if (cuda_state.defined()) set_rng_state(cuda_device_, cuda_state);
+  }
+  ~ReplayForwardRng() {
+    set_rng_state(c10::kCPU, cpu_caller_);
+    if (cuda_caller_.defined()) set_rng_state(cuda_device_, cuda_caller_);
+  }
+  ReplayForwardRng(const ReplayForwardRng&) = delete;
+  ReplayForwardRng& operator=(const ReplayForwardRng&) = delete;
+
+ private:
+  c10::Device cuda_device_;
+  at::Tensor cpu_caller_;   // the caller's CPU generator state (~5 KB)
+  at::Tensor cuda_caller_;  // the caller's CUDA generator state (16 bytes), when the inputs are on a GPU
+};
+
+// Names the block in errors: run_blocks sets the id; a direct checkpoint() call has none.
+std::string block_name(int64_t block_id) {
+  return block_id >= 0 ? "block " + std::to_string(block_id) : "block (a direct checkpoint() call)";
+}
+
 // Turns the autocast weight-cast cache off for a scope.
 class AutocastCacheOff {
  public:
@@ -69,7 +97,15 @@ struct RecomputeState : torch::CustomClassHolder {
   at::Tensor cpu_rng;   // CPU generator state at forward
   at::Tensor cuda_rng;  // the inputs' CUDA generator state at forward (undefined on CPU)
   c10::Device device = c10::kCPU;
-  std::vector<at::Tensor> offloaded;  // the inputs, in CPU memory, when options.offload
+  // options.offload: each CUDA input copied to pinned host memory (input_bytes in all, pinned), taken
+  // before the block runs so that the block cannot change it in place; CPU inputs are held as they are.
+  // Freed by the backward as soon as the device copies for the recompute are queued.
+  std::vector<at::Tensor> offloaded;
+  // The version counters of the inputs that are not copied (shared with the caller's tensors; disabled
+  // for copied and inference inputs) and their versions before the block ran: a change in place between
+  // the forward and the recompute, by the block or by the caller, would change what the recompute sees.
+  std::vector<c10::VariableVersion> input_versions;
+  std::vector<uint32_t> input_versions_at_forward;
   std::vector<c10::Device> input_devices;
   std::vector<bool> input_requires_grad;
   int64_t block_id = -1;
@@ -100,6 +136,11 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     // Runs under no-grad (Function::apply): nothing inside the block is saved.
     state->autocast = AutocastState::current();
     state->cpu_rng = get_rng_state(c10::kCPU);
+    // Offloading moves device inputs to pinned host memory; inputs already in CPU memory stay as they are
+    // (a copy would only double them).
+    const bool offload = state->options.offload &&
+                         std::any_of(inputs.begin(), inputs.end(), [](const at::Tensor& x) { return x.is_cuda(); });
+    state->options.offload = offload;
     for (const auto& x : inputs) {
       state->input_devices.push_back(x.device());
       state->input_requires_grad.push_back(x.requires_grad());
@@ -108,6 +149,17 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
         state->device = x.device();
         state->cuda_rng = get_rng_state(x.device());
       }
+      const bool copied = offload && x.is_cuda();
+      // Before the block runs: the copy is queued on the current stream ahead of the block's kernels, and
+      // the version is the one the recompute must find.
+      if (offload)
+        state->offloaded.push_back(copied ? x.to(torch::TensorOptions().device(c10::kCPU).pinned_memory(true),
+                                                 /*non_blocking=*/true, /*copy=*/true)
+                                          : x);
+      const auto& counter = x.unsafeGetTensorImpl()->version_counter();
+      const bool tracked = !copied && counter.enabled();
+      state->input_versions.push_back(tracked ? counter : c10::VariableVersion());
+      state->input_versions_at_forward.push_back(tracked ? counter.current_version() : 0);
     }
     state->params = params.vec();
     std::vector<at::Tensor> outputs;
@@ -117,20 +169,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       AutocastCacheOff no_cache;
       outputs = state->fn(inputs.vec());
     }
-    // Offloading moves device inputs to pinned host memory; inputs already in CPU memory stay as they are
-    // (a copy would only double them).
-    const bool offload = state->options.offload &&
-                         std::any_of(inputs.begin(), inputs.end(), [](const at::Tensor& x) { return x.is_cuda(); });
-    state->options.offload = offload;
-    if (offload) {
-      for (const auto& x : inputs)
-        state->offloaded.push_back(x.is_cuda() ? x.to(torch::TensorOptions().device(c10::kCPU).pinned_memory(true),
-                                                      /*non_blocking=*/true, /*copy=*/true)
-                                               : x);
-      ctx->save_for_backward({});
-    } else {
-      ctx->save_for_backward(inputs.vec());
-    }
+    ctx->save_for_backward(offload ? std::vector<at::Tensor>{} : inputs.vec());
     // Integer outputs (indices, masks) carry no gradient.
     std::vector<at::Tensor> non_diff;
     for (const auto& o : outputs)
@@ -143,34 +182,52 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
     auto state = c10::static_intrusive_pointer_cast<RecomputeState>(ctx->saved_data["state"].toCapsule());
-    auto saved = ctx->get_saved_variables();
+    const auto block = block_name(state->block_id);
+    // The engine runs backward in grad mode exactly when create_graph is set. The recompute's inner
+    // grad() does not build a graph back to the inputs and parameters, so second-order terms would be
+    // missing from the result without any sign.
+    MEMTRAIN_CHECK(!torch::GradMode::is_enabled(), Error, "[checkpoint] ", block,
+                   ": double backward (create_graph = true) through a checkpointed block is not supported; its "
+                   "second-order terms would be silently dropped. Run this block without checkpointing "
+                   "(memory.recompute = none) to differentiate twice");
     const auto n_in = state->input_requires_grad.size();
+    // Before the saved inputs are unpacked, so that this message, not autograd's generic one, names it.
+    for (size_t i = 0; i < n_in; ++i) {
+      const auto& counter = state->input_versions[i];
+      if (!counter.enabled()) continue;
+      const auto now = counter.current_version();
+      MEMTRAIN_CHECK(now == state->input_versions_at_forward[i], Error, "[checkpoint] ", block, ": its input ", i,
+                     " was changed in place after checkpoint() recorded it (version ",
+                     state->input_versions_at_forward[i], " before the block ran, ", now,
+                     " at recompute), by the block itself or by the caller: the recompute would see other values "
+                     "than the forward and give a wrong gradient. Change a copy (clone()) instead, or do not "
+                     "checkpoint this block");
+    }
+    MEMTRAIN_CHECK(!state->options.offload || state->offloaded.size() == n_in, Error, "[checkpoint] ", block,
+                   ": its offloaded inputs were freed by an earlier backward through this graph; a second backward "
+                   "(retain_graph = true) is not supported with memory.offload");
+    auto saved = ctx->get_saved_variables();
     std::vector<at::Tensor> x(n_in);
     for (size_t i = 0; i < n_in; ++i) {
       auto in = state->options.offload ? state->offloaded[i].to(state->input_devices[i], /*non_blocking=*/true)
                                        : saved[i];
       x[i] = in.detach().requires_grad_(state->input_requires_grad[i]);
     }
+    // The pinned copies are not needed past the device copies just queued: the caching host allocator
+    // records the copy's stream event and reuses a block only after it, so freeing now is safe.
+    state->offloaded.clear();
+    state->offloaded.shrink_to_fit();
 
     int64_t before = 0;
     if (g_profile != nullptr) before = read_counters(g_profile->device).allocated;
 
     std::vector<at::Tensor> outputs;
     {
-      // Fork the RNG: replay the forward's state, then give the caller back its own.
-      auto cpu_now = get_rng_state(c10::kCPU);
-      at::Tensor cuda_now;
-      if (state->cuda_rng.defined()) cuda_now = get_rng_state(state->device);
-      set_rng_state(c10::kCPU, state->cpu_rng);
-      if (state->cuda_rng.defined()) set_rng_state(state->device, state->cuda_rng);
-      {
-        torch::AutoGradMode enable_grad(true);
-        AutocastStateGuard autocast(state->autocast);
-        AutocastCacheOff no_cache;
-        outputs = state->fn(x);
-      }
-      set_rng_state(c10::kCPU, cpu_now);
-      if (state->cuda_rng.defined()) set_rng_state(state->device, cuda_now);
+      ReplayForwardRng rng(state->cpu_rng, state->cuda_rng, state->device);
+      torch::AutoGradMode enable_grad(true);
+      AutocastStateGuard autocast(state->autocast);
+      AutocastCacheOff no_cache;
+      outputs = state->fn(x);
     }
     g_recomputes.fetch_add(1, std::memory_order_relaxed);
     if (g_profile != nullptr && state->block_id >= 0 &&
@@ -192,7 +249,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       auto same = [&](const at::Tensor& t) { return t.is_same(leaf); };
       const bool known =
           std::any_of(x.begin(), x.end(), same) || std::any_of(state->params.begin(), state->params.end(), same);
-      MEMTRAIN_CHECK(known, Error, "[checkpoint] block ", state->block_id, " uses a tensor of shape ", leaf.sizes(),
+      MEMTRAIN_CHECK(known, Error, "[checkpoint] ", block, " uses a tensor of shape ", leaf.sizes(),
                      " that requires grad but was not passed to checkpoint() as a parameter: it would get no "
                      "gradient. Pass all of the block's parameters (Model::block_parameters).");
     }
@@ -246,16 +303,35 @@ torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)
 
 int64_t checkpoint_recompute_count() { return g_recomputes.load(); }
 
+int64_t detail::current_block_id() { return t_block_id; }
+
 torch::Tensor forward_with_checkpointing(Model& model, const torch::Tensor& input, const CheckpointPolicy& policy) {
   return model.head(run_blocks(model, input, policy));
 }
+
+namespace {
+// Sets this thread's current block while run_blocks runs, and restores the previous one on exit, also
+// when a block throws (a stale id would name the wrong block in a later checkpoint error).
+class CurrentBlockScope {
+ public:
+  CurrentBlockScope() : previous_(t_block_id) {}
+  ~CurrentBlockScope() { t_block_id = previous_; }
+  CurrentBlockScope(const CurrentBlockScope&) = delete;
+  CurrentBlockScope& operator=(const CurrentBlockScope&) = delete;
+  void set(int64_t block) { t_block_id = block; }
+
+ private:
+  int64_t previous_;
+};
+}  // namespace
 
 torch::Tensor run_blocks(Model& model, const torch::Tensor& input, const CheckpointPolicy& policy) {
   auto h = model.embed(input);
   const auto parts = model.part_names();
   const CheckpointOptions options{.offload = policy.offload};
+  CurrentBlockScope current;
   for (int64_t i = 0; i < model.num_blocks(); ++i) {
-    t_block_id = i;
+    current.set(i);
     if (policy.checkpoints_block(i)) {
       h = checkpoint([&model, i](const torch::Tensor& x) { return model.block(i, x); }, h, model.block_parameters(i),
                      options);
@@ -272,7 +348,6 @@ torch::Tensor run_blocks(Model& model, const torch::Tensor& input, const Checkpo
       h = model.block(i, h);
     }
   }
-  t_block_id = -1;
   return h;
 }
 

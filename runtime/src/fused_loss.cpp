@@ -9,6 +9,16 @@
 namespace memtrain {
 namespace {
 
+// fp16 GEMM outputs saturate at 65504, and loss scaling cannot help: these are forward values, formed
+// before any scale applies. A chunk's weight-gradient product (softmax - one-hot)^T x sums, for each
+// class, over the chunk's rows; each term is at most |x| (the factor lies in [-1, 1]), so a chunk of n
+// rows stays finite while n * max|x| < 65504. With at most 1024 rows that holds for features up to
+// 63 in magnitude: the final LayerNorm's output, |x| <= |gamma| sqrt(C) + |beta| (28 |gamma| for
+// GPT-2's C = 768), stays well inside it. The chunks' fp32 sum then holds any number of rows. The
+// other two products do not grow with the rows: a logit sums C terms x w (|x| |w| C < 65504, as for
+// PyTorch's own fp16 linear), and a row of the input gradient is at most 2 max|w|.
+constexpr int64_t kMaxFp16ChunkRows = 1024;
+
 struct FusedLinearCrossEntropy : public torch::autograd::Function<FusedLinearCrossEntropy> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
                                                 const torch::Tensor& weight, const torch::Tensor& target,
@@ -17,6 +27,7 @@ struct FusedLinearCrossEntropy : public torch::autograd::Function<FusedLinearCro
     // The matmul dtype: autocast's if it is on for this device, else the inputs' own.
     const auto compute = at::autocast::is_autocast_enabled(dev) ? at::autocast::get_autocast_dtype(dev) : x.scalar_type();
     AutocastGuard plain(dev, std::nullopt);  // casts are explicit below
+    if (compute == torch::kHalf) chunk_rows = std::min(chunk_rows, kMaxFp16ChunkRows);
     const auto N = x.size(0), V = weight.size(0);
     auto w = weight.to(compute);                          // (V, C)
     auto grad_x = torch::empty(x.sizes(), x.options().dtype(torch::kFloat));  // (N, C) fp32

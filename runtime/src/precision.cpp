@@ -2,6 +2,7 @@
 
 #include <ATen/autocast_mode.h>
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/DeviceGuard.h>
 
 #include <map>
 
@@ -38,14 +39,21 @@ void check_precision_supported(Precision p, const c10::Device& device) {
   MEMTRAIN_CHECK(!(p == Precision::kFp16 && device.is_cpu()), ConfigError,
                  "[precision] train.precision = fp16 needs a CUDA device (dynamic loss scaling runs there); "
                  "on CPU use bf16");
-  // CUDAHooks answers from the device's compute capability (>= 8.0 with cuDNN): native bf16.
-  MEMTRAIN_CHECK(!(p == Precision::kBf16 && device.is_cuda() &&
-                   !at::detail::getCUDAHooks().supportsBFloat16ConvolutionWithCuDNNv8()),
-                 ConfigError, "[precision] train.precision = bf16: ", device.str(),
-                 " has no native bf16 (compute capability < 8.0); use fp16");
+  if (!(p == Precision::kBf16 && device.is_cuda())) return;
+  const auto& cuda = at::detail::getCUDAHooks();
+  const int n = cuda.hasCUDA() ? cuda.getNumGPUs() : 0;
+  MEMTRAIN_CHECK(device.index() < n, ConfigError, "[precision] train.precision = bf16 on ", device.str(),
+                 ": that device is not available (", n, " CUDA devices visible)");
+  // CUDAHooks answers from the compute capability (>= 8.0, with cuDNN: native bf16) of the *current*
+  // device; the guard makes that the requested one for the question (a CPU source file cannot include
+  // the CUDA runtime headers that at::cuda::getDeviceProperties(index) needs).
+  const c10::DeviceGuard on_device(device);
+  MEMTRAIN_CHECK(cuda.supportsBFloat16ConvolutionWithCuDNNv8(), ConfigError, "[precision] train.precision = bf16: ",
+                 device.str(), " has no native bf16 (compute capability < 8.0); use fp16");
 }
 
-AutocastGuard::AutocastGuard(c10::DeviceType device, std::optional<c10::ScalarType> dtype, bool cache_enabled)
+AutocastGuard::AutocastGuard(c10::DeviceType device, std::optional<c10::ScalarType> dtype,
+                             std::optional<bool> cache_enabled)
     : device_(device),
       prev_enabled_(at::autocast::is_autocast_enabled(device)),
       prev_dtype_(at::autocast::get_autocast_dtype(device)),
@@ -56,7 +64,7 @@ AutocastGuard::AutocastGuard(c10::DeviceType device, std::optional<c10::ScalarTy
   at::autocast::set_autocast_enabled(device, dtype.has_value());
   if (dtype) at::autocast::set_autocast_dtype(device, *dtype);
   at::autocast::increment_nesting();
-  at::autocast::set_autocast_cache_enabled(cache_enabled);
+  at::autocast::set_autocast_cache_enabled(cache_enabled.value_or(prev_cache_));
 }
 
 AutocastGuard::~AutocastGuard() {

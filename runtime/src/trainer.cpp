@@ -1,6 +1,7 @@
 #include "memtrain/runtime/trainer.h"
 
 #include <torch/cuda.h>
+#include <torch/nn/modules/batchnorm.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -77,10 +78,26 @@ void Trainer::setup() {
       masters.insert(names[i], master_.back());
     }
     // Floating parameters and buffers only (Module::to(dtype) would also turn BatchNorm's int64 step
-    // counter into bf16).
-    for (auto& p : model_->parameters()) p.set_data(p.data().to(torch::kBFloat16));
-    for (auto& b : model_->buffers())
-      if (b.is_floating_point()) b.set_data(b.data().to(torch::kBFloat16));
+    // counter into bf16). BatchNorm's affine parameters and running statistics stay fp32, as PyTorch
+    // FSDP's MixedPrecision keeps them by default: running statistics averaged in bf16 lose most of
+    // each update (8 bits of mantissa against momentum 0.1), and ATen's batch_norm takes a bf16 input
+    // with fp32 weight and statistics (CPU and CUDA), returning bf16. They cost 4 bytes each instead of 2:
+    // 2 * channels parameters and 2 * channels statistics per BatchNorm, small beside the convolutions.
+    std::set<const void*> keep_fp32;
+    for (const auto& m : model_->modules(/*include_self=*/true)) {
+      const auto* mod = m.get();
+      const bool batch_norm = dynamic_cast<const torch::nn::BatchNorm1dImpl*>(mod) != nullptr ||
+                              dynamic_cast<const torch::nn::BatchNorm2dImpl*>(mod) != nullptr ||
+                              dynamic_cast<const torch::nn::BatchNorm3dImpl*>(mod) != nullptr;
+      if (!batch_norm) continue;
+      for (const auto& p : m->parameters(/*recurse=*/false)) keep_fp32.insert(p.unsafeGetTensorImpl());
+      for (const auto& b : m->buffers(/*recurse=*/false)) keep_fp32.insert(b.unsafeGetTensorImpl());
+    }
+    auto to_bf16 = [&](torch::Tensor& t) {
+      if (t.is_floating_point() && !keep_fp32.count(t.unsafeGetTensorImpl())) t.set_data(t.data().to(torch::kBFloat16));
+    };
+    for (auto& p : model_->parameters()) to_bf16(p);
+    for (auto& b : model_->buffers()) to_bf16(b);
     if (world_.world_size == 1) optimizer_ = make_optimizer(optimizer_options(t), masters);
   } else if (world_.world_size == 1) {
     optimizer_ = make_optimizer(optimizer_options(t), model_->named_parameters());

@@ -4,10 +4,12 @@
 Run by the build (tests/CMakeLists.txt) with the project venv's python:  make_fixtures.py OUT_DIR
 
   gpt_parity.safetensors   a small GPT's weights, a batch, its logits, loss and every gradient (fp32),
-                           then the losses of 5 AdamW steps (llm.c-style golden values)
+                           then the losses of 5 AdamW steps (llm.c-style golden values) and every
+                           parameter after the last one ("adamw_final.<name>")
   gpt_checkpoint.safetensors  the same GPT with dropout 0.1 under torch.utils.checkpoint (non-reentrant):
                            loss and gradients, with the RNG seeded right before the forward
-  gpt_bf16.safetensors     the same GPT under torch.autocast("cpu", torch.bfloat16): loss and gradients
+  gpt_bf16.safetensors     the same GPT under torch.autocast("cpu", torch.bfloat16): loss and gradients,
+                           single-threaded (as is every fixture here; the C++ test runs it on one thread too)
   grad_scaler.safetensors  torch.amp.GradScaler's scale after each step for an inf/NaN injection pattern
 
 The GPT here mirrors memtrain's (models/src/gpt.cpp) operation for operation and name for name.
@@ -89,6 +91,8 @@ def gpt_parity(out):
         opt.step()
         losses.append(l.item())
     t["adamw_losses"] = torch.tensor(losses, dtype=torch.float64)
+    # The parameters after the last step: the losses only show the updates before it.
+    t.update({"adamw_final." + n: p.detach().clone() for n, p in m.named_parameters()})
     save(os.path.join(out, "gpt_parity.safetensors"), t, CFG)
 
 
@@ -102,6 +106,7 @@ def gpt_checkpoint(out):
 
 
 def gpt_bf16(out):
+    torch.set_num_threads(1)  # main() sets it too; the C++ test compares at 1e-3 on one thread
     m = make_model()
     x, y = batch()
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <ATen/core/CachingHostAllocator.h>
+
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -113,6 +115,42 @@ TEST(MemoryTracker, WritesOneJsonLinePerStep) {
   }
   EXPECT_EQ(n, 2);
   EXPECT_NE(trainer.tracker().summary_table().find("cpu"), std::string::npos);
+}
+
+TEST(MemoryTracker, PinnedHostBytesAreTheirOwnField) {
+  // Pinned host memory (offloaded checkpoint inputs) comes from the CUDA host allocator, which the
+  // counting CPU allocator never sees: the CPU sample reports it in its own field, 0 without CUDA.
+  test::TempDir dir;
+  MemoryTracker tracker({.rank = 0, .devices = {c10::kCPU}, .jsonl_path = dir.path("m.jsonl")});
+  tracker.begin_step(0);
+  const auto& s = tracker.end_step();
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].pinned_host_bytes, pinned_host_bytes());
+  if (!torch::cuda::is_available()) {
+    EXPECT_EQ(s[0].pinned_host_bytes, 0);
+  }
+  std::ifstream in(dir.path("m.jsonl"));
+  std::string line;
+  ASSERT_TRUE(std::getline(in, line));
+  auto j = nlohmann::json::parse(line);
+  ASSERT_TRUE(j.contains("pinned_host_bytes")) << line;
+  EXPECT_EQ(j["pinned_host_bytes"].get<int64_t>(), s[0].pinned_host_bytes);
+}
+
+TEST(MemoryTracker, CudaPinnedHostBytesSkipWithoutGpu) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  auto* host = at::getHostAllocator(c10::kCUDA);
+  host->empty_cache();  // no cached blocks: what is held is what live tensors use
+  const auto before = pinned_host_bytes();
+  const auto cpu_before = cpu_memory::current();
+  {
+    auto t = torch::empty({1 << 18}, torch::TensorOptions().pinned_memory(true));  // 1 MiB pinned
+    EXPECT_EQ(pinned_host_bytes() - before, 1 << 20);
+    EXPECT_EQ(cpu_memory::current(), cpu_before);
+  }
+  EXPECT_EQ(pinned_host_bytes() - before, 1 << 20);  // freed, but cached: still page-locked
+  host->empty_cache();
+  EXPECT_EQ(pinned_host_bytes(), before);
 }
 
 TEST(MemoryTracker, CudaStatsSkipWithoutGpu) {

@@ -31,6 +31,38 @@ TEST(Autocast, GuardEnablesNestsAndRestores) {
   EXPECT_EQ(lin->forward(x).scalar_type(), c10::kFloat);
 }
 
+TEST(Autocast, NestedGuardInheritsTheCacheSetting) {
+  // As torch.autocast(cache_enabled=None): an inner guard keeps the enclosing guard's cache setting
+  // unless it names one.
+  ASSERT_TRUE(at::autocast::is_autocast_cache_enabled());
+  {
+    AutocastGuard outer(c10::kCPU, c10::kBFloat16, /*cache_enabled=*/false);
+    EXPECT_FALSE(at::autocast::is_autocast_cache_enabled());
+    {
+      AutocastGuard inner(c10::kCPU, c10::kBFloat16);
+      EXPECT_FALSE(at::autocast::is_autocast_cache_enabled());
+      AutocastGuard fp32(c10::kCPU, std::nullopt);
+      EXPECT_FALSE(at::autocast::is_autocast_cache_enabled());
+    }
+    {
+      AutocastGuard inner(c10::kCPU, c10::kBFloat16, /*cache_enabled=*/true);
+      EXPECT_TRUE(at::autocast::is_autocast_cache_enabled());
+    }
+    EXPECT_FALSE(at::autocast::is_autocast_cache_enabled());
+  }
+  EXPECT_TRUE(at::autocast::is_autocast_cache_enabled());
+}
+
+TEST(Autocast, Bf16OnAMissingCudaDeviceIsAConfigError) {
+  // The capability check reads the requested device; one that does not exist is named, not queried.
+  const int n = static_cast<int>(torch::cuda::device_count());
+  const c10::Device missing(c10::kCUDA, static_cast<c10::DeviceIndex>(n));
+  auto msg = test::error_of([&] { check_precision_supported(Precision::kBf16, missing); });
+  EXPECT_NE(msg.find("[precision]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(missing.str() + ": that device is not available"), std::string::npos) << msg;
+  EXPECT_THROW(check_precision_supported(Precision::kBf16, missing), ConfigError);
+}
+
 TEST(Autocast, RejectsNonHalfDtypes) {
   EXPECT_THROW(AutocastGuard(c10::kCPU, c10::kDouble), Error);
   EXPECT_FALSE(at::autocast::is_autocast_enabled(c10::kCPU));
@@ -48,17 +80,23 @@ TEST(Autocast, Bf16MatchesPyTorchCpuAutocast) {
   auto parity = load_safetensors(test::fixture("gpt_parity.safetensors"));
   auto gpt_ptr = test::fixture_gpt();
   auto& gpt = *gpt_ptr;
+  // One thread, as the fixture was made: bf16 GEMMs blocked differently round differently, and those
+  // last-bit differences are what a loose tolerance would have to absorb.
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
   torch::Tensor loss;
   {
     AutocastGuard autocast(c10::kCPU, c10::kBFloat16);
     loss = gpt.loss(gpt.forward(parity.at("input")), parity.at("target"));
   }
   loss.backward();
-  // bf16 keeps 8 bits of mantissa: agree with PyTorch's own bf16 run to bf16 rounding.
-  EXPECT_NEAR(loss.item<double>(), ref.at("loss").item<double>(), 1e-2);
+  at::set_num_threads(threads);
+  // The same bf16 operations as PyTorch's run: equal far below bf16's own rounding (2^-8 = 4e-3), so a
+  // layer left in fp32 (or cast to bf16 where PyTorch keeps fp32) shows.
+  EXPECT_NEAR(loss.item<double>(), ref.at("loss").item<double>(), 1e-4);
   for (const auto& item : gpt.named_parameters()) {
     SCOPED_TRACE(item.key());
-    EXPECT_LT(test::relative_error(item.value().grad(), ref.at("grad." + item.key())), 2e-2);
+    EXPECT_LT(test::relative_error(item.value().grad(), ref.at("grad." + item.key())), 1e-3);
   }
   // ... and differ from the fp32 gradients by more than fp32 rounding: autocast really ran in bf16.
   double max_diff = 0;
@@ -135,6 +173,48 @@ TEST(MasterWeights, Bf16ParametersWithFp32Masters) {
   EXPECT_EQ(s.resident.params, 2 * n);
   EXPECT_EQ(s.resident.grads, 0);
   EXPECT_EQ(s.resident.optimizer_state, 16 * n);
+}
+
+TEST(MasterWeights, BatchNormStaysFp32WithBf16Parameters) {
+  // As PyTorch FSDP's MixedPrecision (keep_low_precision_grads off, _module_classes_to_ignore =
+  // BatchNorm): BatchNorm's affine parameters and running statistics stay fp32; every other parameter
+  // is bf16; every parameter has an fp32 master. Forward with and without bf16 autocast.
+  for (const char* precision : {"fp32", "bf16"}) {
+    SCOPED_TRACE(precision);
+    auto c = Config::load("", {"--model.name=resnet", "--data.dataset=synthetic", "--model.width=4",
+                               "--train.micro_batch=4", "--train.param_dtype=bf16", "--train.warmup_steps=0",
+                               std::string("--train.precision=") + precision, "--train.eval_every=0"});
+    Trainer t(c);
+    for (int i = 0; i < 3; ++i) EXPECT_TRUE(std::isfinite(t.step().loss.item<double>())) << "step " << i;
+    EXPECT_TRUE(std::isfinite(t.evaluate(t.data().val_batches(4, 1)).loss));
+    int64_t bn = 0, other = 0;
+    for (const auto& m : t.model().modules()) {
+      if (dynamic_cast<torch::nn::BatchNorm2dImpl*>(m.get()) == nullptr) continue;
+      for (const auto& p : m->parameters(/*recurse=*/false)) {
+        EXPECT_EQ(p.scalar_type(), torch::kFloat);
+        ++bn;
+      }
+      for (const auto& b : m->buffers(/*recurse=*/false)) {
+        if (!b.is_floating_point()) continue;
+        EXPECT_EQ(b.scalar_type(), torch::kFloat);
+        ++bn;
+      }
+    }
+    EXPECT_GT(bn, 0);
+    for (const auto& m : t.model().modules()) {
+      if (dynamic_cast<torch::nn::Conv2dImpl*>(m.get()) == nullptr) continue;
+      for (const auto& p : m->parameters(/*recurse=*/false)) {
+        EXPECT_EQ(p.scalar_type(), torch::kBFloat16);
+        ++other;
+      }
+    }
+    EXPECT_GT(other, 0);
+    ASSERT_EQ(t.master_weights().size(), t.parameters().size());
+    for (size_t i = 0; i < t.parameters().size(); ++i) {
+      EXPECT_EQ(t.master_weights()[i].scalar_type(), torch::kFloat);
+      EXPECT_TRUE(torch::equal(t.parameters()[i], t.master_weights()[i].to(t.parameters()[i].scalar_type())));
+    }
+  }
 }
 
 TEST(MasterWeights, RefusesFp16WithBf16Parameters) {

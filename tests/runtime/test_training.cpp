@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <torch/cuda.h>
+#include <type_traits>
 
 #include "memtrain/data/datasets.h"
 #include "memtrain/core/safetensors.h"
@@ -63,6 +64,16 @@ TEST(Training, FitWritesTheRunFolderAndLoadableWeights) {
   load_module_state(*fresh, saved, "model.safetensors");
   auto a = t.model().named_parameters(), b = fresh->named_parameters();
   for (const auto& item : a) EXPECT_TRUE(torch::equal(item.value(), b[item.key()])) << item.key();
+}
+
+TEST(Training, TrainerIsNeitherCopyableNorMovable) {
+  // The tracker's resident-bytes callback captures `this`: a moved Trainer would leave it pointing at
+  // the moved-from object.
+  static_assert(!std::is_copy_constructible_v<Trainer>);
+  static_assert(!std::is_copy_assignable_v<Trainer>);
+  static_assert(!std::is_move_constructible_v<Trainer>);
+  static_assert(!std::is_move_assignable_v<Trainer>);
+  SUCCEED();
 }
 
 TEST(Training, SameSeedSameLosses) {

@@ -11,7 +11,9 @@
 //
 // CPU numbers come from memtrain's counting allocator (cpu_memory::install()); "reserved" equals
 // "allocated" there, as the CPU allocator caches nothing. CUDA numbers come from the caching
-// allocator's statistics, whose peaks are reset at each step start.
+// allocator's statistics, whose peaks are reset at each step start. Pinned host memory (the CUDA host
+// allocator's, e.g. offloaded checkpoint inputs) is not in the CPU counters: the CPU sample reports it
+// as pinned_host_bytes.
 #pragma once
 
 #include <torch/types.h>
@@ -49,6 +51,13 @@ struct DeviceCounters {
 DeviceCounters read_counters(const c10::Device& device);
 void reset_peak(const c10::Device& device);
 
+// Bytes of pinned (page-locked) host memory that the CUDA host allocator holds: offloaded checkpoint
+// inputs and other pinned_memory tensors, and the freed blocks it caches for reuse (page-locked all the
+// same). The counting CPU allocator never sees this memory, so it is reported on its own. 0 where CUDA
+// is not available. (The allocator's "active" statistic is not used: in torch 2.11 a block freed
+// without pending stream events is never subtracted from it.)
+int64_t pinned_host_bytes();
+
 struct DeviceMemorySample {
   int64_t step = 0;
   int rank = 0;
@@ -60,6 +69,7 @@ struct DeviceMemorySample {
   int64_t activation_peak = 0;  // peak_allocated - start_allocated: what the step itself added
   Phase peak_phase = Phase::kStart;
   ResidentBytes resident;       // at step end
+  int64_t pinned_host_bytes = 0;  // CPU sample only: pinned_host_bytes() at step end
 };
 
 struct MemoryTrackerOptions {

@@ -11,6 +11,10 @@
 // registered on a parameter (Tensor::register_hook) also runs during the recompute's inner grad(), so it
 // fires twice per backward; and a BatchNorm inside a checkpointed block updates its running statistics
 // twice per step (forward and recompute), as with torch.utils.checkpoint.
+//
+// Refused with an error naming the block, where they would otherwise give a silently wrong gradient:
+// an input changed in place between the forward and the recompute (by the block itself, which runs
+// under no-grad in the forward, or by the caller), and a double backward (create_graph = true).
 #pragma once
 
 #include <torch/types.h>
@@ -26,7 +30,10 @@ namespace memtrain {
 class Model;
 
 struct CheckpointOptions {
-  bool offload = false;  // keep saved CUDA inputs in pinned CPU memory, bring them back for recompute (no-op on CPU)
+  // Keep saved CUDA inputs in pinned CPU memory, bring them back for the recompute (no-op on CPU).
+  // The pinned copy is taken before the block runs and freed by the recompute; the tracker reports
+  // pinned memory as pinned_host_bytes. One backward per forward: retain_graph is refused.
+  bool offload = false;
 };
 
 // A block of several inputs and outputs. Integer outputs are non-differentiable; inputs must be defined
@@ -66,5 +73,10 @@ BlockActivationProfile profile_block_activations(Model& model, const std::functi
 // left un-checkpointed; blocks that add least are left un-checkpointed first. Throws, naming the smallest feasible budget, when even
 // checkpointing every block does not fit.
 std::vector<bool> plan_checkpoint_budget(const BlockActivationProfile& profile, int64_t budget_bytes);
+
+namespace detail {
+// The block run_blocks is running on this thread (-1 outside run_blocks): named in checkpoint errors.
+int64_t current_block_id();
+}  // namespace detail
 
 }  // namespace memtrain

@@ -23,16 +23,20 @@ const char* precision_name(Precision p);
 // The autocast dtype of a precision (nullopt for fp32).
 std::optional<c10::ScalarType> autocast_dtype(Precision p);
 // Refuses combinations the hardware or LibTorch cannot run: fp16 on CPU (no loss-scaled fp16 CPU
-// autocast in memtrain), bf16 on a CUDA device without native bf16 (compute capability < 8.0).
+// autocast in memtrain), bf16 on a CUDA device without native bf16 (compute capability < 8.0): the
+// capability of `device` itself, not of the thread's current CUDA device.
 void check_precision_supported(Precision p, const c10::Device& device);
 
 // Enables autocast for one device type in this thread, with `dtype`; nullopt disables it (a region
-// that must stay fp32 inside an autocast one). Restores the previous state on exit, and clears the
-// weight-cast cache when the outermost guard exits, so no stale low-precision copy of a weight
-// outlives the forward pass that made it. Not copyable; nests.
+// that must stay fp32 inside an autocast one). `cache_enabled`: the weight-cast cache setting; nullopt
+// keeps the current one, as torch.autocast(cache_enabled=None) does, so a guard opened inside a
+// checkpointed block does not turn back on the cache that checkpointing turned off. Restores the
+// previous state on exit, and clears the weight-cast cache when the outermost guard exits, so no
+// stale low-precision copy of a weight outlives the forward pass that made it. Not copyable; nests.
 class AutocastGuard {
  public:
-  AutocastGuard(c10::DeviceType device, std::optional<c10::ScalarType> dtype, bool cache_enabled = true);
+  AutocastGuard(c10::DeviceType device, std::optional<c10::ScalarType> dtype,
+                std::optional<bool> cache_enabled = std::nullopt);
   ~AutocastGuard();
   AutocastGuard(const AutocastGuard&) = delete;
   AutocastGuard& operator=(const AutocastGuard&) = delete;

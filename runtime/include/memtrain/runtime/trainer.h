@@ -53,6 +53,11 @@ class Trainer {
   // An embedder's own model and data; the config supplies the rest.
   Trainer(const Config& config, std::shared_ptr<Model> model, std::shared_ptr<Dataset> data,
           const World& world = World::from_env());
+  // Neither copied nor moved: the tracker's resident-bytes callback holds `this`.
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+  Trainer(Trainer&&) = delete;
+  Trainer& operator=(Trainer&&) = delete;
 
   StepResult step();          // one optimizer step: micro-batches, reduce, clip, update, memory
   EvalResult evaluate(const std::vector<Batch>& batches);
@@ -75,6 +80,7 @@ class Trainer {
   DataParallel* data_parallel() { return dp_.get(); }
   const World& world() const { return world_; }
   // fp32 master copies of parameters() when train.param_dtype = bf16 (the optimizer steps these); else empty.
+  // BatchNorm's parameters and running statistics stay fp32 in the model then (their masters exist too).
   const std::vector<torch::Tensor>& master_weights() const { return master_; }
 
  private:
