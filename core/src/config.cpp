@@ -125,6 +125,9 @@ std::vector<Entry> entries(Config& c) {
       entry("log.dir", &l.dir, "folder for run outputs"),
       entry("log.name", &l.name, "run name; empty = config file stem"),
       entry("log.progress", &l.progress, choices::join(choices::progress)),
+      entry("log.peak_tflops", &l.peak_tflops,
+            "the device's peak TFLOP/s for MFU; 0 = from memtrain's table of known GPUs by name and precision "
+            "(on CPU: MFU is not reported unless this is set)"),
       entry("checkpoint.dir", &ck.dir, "where weights are saved; empty = <run>/checkpoints"),
       entry("checkpoint.every", &ck.every, "save weights every N steps; 0 = only at the end"),
       entry("checkpoint.save_final", &ck.save_final, "save weights when training ends"),
@@ -436,6 +439,7 @@ void Config::validate() const {
   check_one_of("dist.reduce", dist.reduce, choices::dist_reduce);
   check_range("log.every", log.every, log.every >= 1, ">= 1");
   check_one_of("log.progress", log.progress, choices::progress);
+  check_range("log.peak_tflops", log.peak_tflops, log.peak_tflops >= 0, ">= 0 (0 = from the table of known GPUs)");
   check_range("checkpoint.every", checkpoint.every, checkpoint.every >= 0, ">= 0");
 }
 

@@ -146,7 +146,10 @@ const std::vector<DeviceMemorySample>& MemoryTracker::end_step() {
     auto& t = totals_[s.device];
     t.steps++;
     if (s.peak_allocated >= t.max_peak) t.max_peak = s.peak_allocated, t.max_phase = s.peak_phase;
-    t.max_activation = std::max(t.max_activation, s.activation_peak);
+    // The first step also allocates the optimizer state (and the gradient buffers): kept apart, so the
+    // activation figure is the steady one.
+    if (t.steps == 1) t.first_activation = s.activation_peak;
+    else t.steady_activation = std::max(t.steady_activation, s.activation_peak);
     t.max_reserved = std::max(t.max_reserved, s.peak_reserved);
     t.resident = s.resident;
 
@@ -162,7 +165,8 @@ const std::vector<DeviceMemorySample>& MemoryTracker::end_step() {
                           {"peak_phase", phase_name(s.peak_phase)},
                           {"params", s.resident.params},
                           {"grads", s.resident.grads},
-                          {"optimizer_state", s.resident.optimizer_state}};
+                          {"optimizer_state", s.resident.optimizer_state},
+                          {"data", s.resident.data}};
       if (device.is_cpu()) j["pinned_host_bytes"] = s.pinned_host_bytes;
       jsonl_ << j.dump() << '\n';
     }
@@ -181,18 +185,43 @@ std::string format_bytes(int64_t bytes) {
   return os.str();
 }
 
-std::string MemoryTracker::summary_table() const {
-  std::ostringstream os;
-  os << "memory (rank " << options_.rank << ", max over steps)\n";
-  os << std::left << std::setw(9) << "device" << std::right << std::setw(12) << "peak" << std::setw(12)
-     << "reserved" << std::setw(12) << "activations" << std::setw(12) << "params" << std::setw(12) << "grads"
-     << std::setw(12) << "optim" << "  peak phase\n";
+std::vector<MemoryTracker::Summary> MemoryTracker::summaries() const {
+  std::vector<Summary> out;
   for (const auto& [device, t] : totals_) {
-    os << std::left << std::setw(9) << device << std::right << std::setw(12) << format_bytes(t.max_peak)
-       << std::setw(12) << format_bytes(t.max_reserved) << std::setw(12) << format_bytes(t.max_activation)
-       << std::setw(12) << format_bytes(t.resident.params) << std::setw(12) << format_bytes(t.resident.grads)
-       << std::setw(12) << format_bytes(t.resident.optimizer_state) << "  " << phase_name(t.max_phase) << "\n";
+    Summary r;
+    r.rank = options_.rank;
+    r.device = device;
+    r.steps = t.steps;
+    r.max_peak = t.max_peak;
+    r.max_reserved = t.max_reserved;
+    r.first_activation = t.first_activation;
+    r.steady_activation = t.steps > 1 ? t.steady_activation : t.first_activation;
+    r.max_phase = t.max_phase;
+    r.resident = t.resident;
+    out.push_back(r);
   }
+  return out;
+}
+
+std::string MemoryTracker::format_summary_table(const std::vector<Summary>& rows) {
+  std::ostringstream os;
+  os << "memory per step (max over steps; activations: steady, after the first step)\n";
+  os << std::left << std::setw(6) << "rank" << std::setw(9) << "device" << std::right << std::setw(11) << "peak"
+     << std::setw(11) << "reserved" << std::setw(12) << "activations" << std::setw(11) << "1st step" << std::setw(11)
+     << "params" << std::setw(11) << "grads" << std::setw(11) << "optim" << std::setw(11) << "data"
+     << "  peak phase\n";
+  bool cpu = false;
+  for (const auto& r : rows) {
+    const bool is_cpu = r.device == "cpu";
+    cpu = cpu || is_cpu;
+    os << std::left << std::setw(6) << r.rank << std::setw(9) << r.device << std::right << std::setw(11)
+       << format_bytes(r.max_peak) << std::setw(11) << (is_cpu ? std::string("-") : format_bytes(r.max_reserved))
+       << std::setw(12) << format_bytes(r.steady_activation) << std::setw(11) << format_bytes(r.first_activation)
+       << std::setw(11) << format_bytes(r.resident.params) << std::setw(11) << format_bytes(r.resident.grads)
+       << std::setw(11) << format_bytes(r.resident.optimizer_state) << std::setw(11) << format_bytes(r.resident.data)
+       << "  " << phase_name(r.max_phase) << "\n";
+  }
+  if (cpu) os << "(cpu: reserved is not shown; the CPU allocator caches nothing, so it equals the peak)\n";
   return os.str();
 }
 

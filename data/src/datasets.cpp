@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include "memtrain/core/error.h"
@@ -78,6 +79,8 @@ class TextDataset : public Dataset {
     return out;
   }
 
+  int64_t resident_bytes() const override { return static_cast<int64_t>(tokens_.nbytes()); }
+
   std::string describe() const override {
     std::ostringstream os;
     os << "text '" << path_ << "': " << tokens_.size(0) << " bytes (" << train_.size(0) << " train, " << val_.size(0)
@@ -142,6 +145,15 @@ class FashionMnistDataset : public Dataset {
   }
   std::vector<Batch> test_batches(int64_t batch_size) override {
     return split(test_x_, test_y_, batch_size, std::numeric_limits<int64_t>::max());
+  }
+
+  int64_t resident_bytes() const override {
+    // train_x_ / val_x_ (and the labels) are slices of one storage each: count every storage once.
+    std::set<const void*> seen;
+    int64_t n = 0;
+    for (const auto* t : {&train_x_, &train_y_, &val_x_, &val_y_, &test_x_, &test_y_, &perm_})
+      if (t->defined() && seen.insert(t->storage().data()).second) n += static_cast<int64_t>(t->storage().nbytes());
+    return n;
   }
 
   std::string describe() const override {

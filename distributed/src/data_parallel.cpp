@@ -240,6 +240,12 @@ void DataParallel::group_all_reduce_sum(torch::Tensor& t) {
   bytes_uncounted_ += group_->bytes_communicated() - before;
 }
 
+void DataParallel::group_all_gather(torch::Tensor& output, torch::Tensor& input) {
+  const auto before = group_->bytes_communicated();
+  group_->all_gather_async(output, input).wait();
+  bytes_uncounted_ += group_->bytes_communicated() - before;
+}
+
 void DataParallel::all_reduce_found_inf(torch::Tensor& found_inf) { group_->all_reduce_max(found_inf); }
 
 void DataParallel::after_optimizer_step() {

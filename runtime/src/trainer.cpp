@@ -1,5 +1,6 @@
 #include "memtrain/runtime/trainer.h"
 
+#include <ATen/cuda/CUDAContext.h>
 #include <torch/cuda.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <unistd.h>
@@ -21,6 +22,39 @@
 namespace memtrain {
 
 namespace fs = std::filesystem;
+
+namespace {
+// Dense peak TFLOP/s (no sparsity) from NVIDIA's data sheets, by device name: half precision (bf16/fp16
+// on tensor cores) and fp32 (no TF32). Longer names first: "A100" before "A10", "L40S" before "L4".
+struct KnownPeak {
+  const char* name;
+  double half_tflops, fp32_tflops;
+};
+constexpr KnownPeak kKnownPeaks[] = {
+    {"H100 PCIe", 756, 51}, {"H100", 989, 67},    {"H200", 989, 67},     {"A100", 312, 19.5}, {"A10", 125, 31.2},
+    {"L40S", 362, 91.6},    {"L4", 121, 30.3},    {"RTX 4090", 165, 82.6}, {"V100", 125, 15.7},
+};
+
+// FLOP/s that MFU is a fraction of, and where the figure came from; 0 when unknown.
+std::pair<double, std::string> peak_flops(double configured_tflops, const c10::Device& device, Precision p) {
+  if (configured_tflops > 0) return {configured_tflops * 1e12, "log.peak_tflops"};
+  if (!device.is_cuda()) return {0, ""};
+  const std::string name = at::cuda::getDeviceProperties(device.index())->name;
+  for (const auto& k : kKnownPeaks)
+    if (name.find(k.name) != std::string::npos)
+      return {(p == Precision::kFp32 ? k.fp32_tflops : k.half_tflops) * 1e12, name};
+  return {0, ""};
+}
+
+// A CPU without native bf16 (AVX512-BF16 or AMX) runs bf16 autocast in emulation: ~10-20x slower than fp32.
+bool cpu_has_native_bf16() {
+  std::ifstream in("/proc/cpuinfo");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("flags", 0) == 0) return line.find(" avx512_bf16") != std::string::npos || line.find(" amx_bf16") != std::string::npos;
+  return true;  // unknown: say nothing
+}
+
+}  // namespace
 
 c10::Device resolve_device(const std::string& name, int local_rank) {
   if (name == "cpu") return c10::kCPU;
@@ -58,6 +92,9 @@ void Trainer::setup() {
   device_ = resolve_device(t.device, world_.local_rank);
   precision_ = parse_precision(t.precision);
   check_precision_supported(precision_, device_);
+  if (precision_ == Precision::kBf16 && device_.is_cpu() && world_.is_main() && !cpu_has_native_bf16())
+    std::cerr << "memtrain: warning: [precision] train.precision = bf16 on a CPU without native bf16 (no AVX512-BF16 "
+                 "or AMX): bf16 autocast runs emulated, about 10-20x slower than fp32\n";
   model_->to(device_);
   model_->train();
 
@@ -151,9 +188,15 @@ void Trainer::setup() {
   tracker_->set_resident_source([this](const c10::Device& d) {
     // Master weights and their gradients are the optimizer's: counted as optimizer state.
     auto state = optimizer_state_tensors(*optimizer_);
-    if (dp_) return dp_->resident(state, d);
-    for (const auto& m : master_) state.push_back(m), state.push_back(m.grad());
-    return resident_bytes(params_, state, d);
+    ResidentBytes r;
+    if (dp_) {
+      r = dp_->resident(state, d);
+    } else {
+      for (const auto& m : master_) state.push_back(m), state.push_back(m.grad());
+      r = resident_bytes(params_, state, d);
+    }
+    if (d.is_cpu()) r.data = data_->resident_bytes();  // datasets live in host memory
+    return r;
   });
 
   auto name = config_.log.name;
@@ -217,7 +260,7 @@ StepResult Trainer::step() {
     optimizer_->zero_grad(/*set_to_none=*/true);
     if (!master_.empty()) model_->zero_grad(/*set_to_none=*/true);
   }
-  tracker_->begin_step(step_);
+  tracker_->begin_step(step_ + 1);  // steps are numbered from 1 everywhere: step N is the N-th update
   // Dropout draws from the default generators, reseeded from (seed, step, rank): a step's masks do not
   // depend on what ran before it in the process (another trainer, an evaluation), a resumed run repeats
   // them, and ranks draw different masks for their different samples.
@@ -337,6 +380,7 @@ void Trainer::fit() {
   const bool main = world_.is_main();
   const bool bar = config_.log.progress == "bar" || (config_.log.progress == "auto" && isatty(STDOUT_FILENO));
   fs::create_directories(run_dir_);
+  const auto peak = peak_flops(config_.log.peak_tflops, device_, precision_);
   if (main) {
     std::cout << config_.to_ini() << "\n";
     write_file_atomically((fs::path(run_dir_) / "config.ini").string(), config_.to_ini());
@@ -345,8 +389,12 @@ void Trainer::fit() {
               << "device:     " << device_.str() << ", precision " << precision_name(precision_) << ", "
               << at::get_num_threads() << " threads\n"
               << "batch:      " << t.micro_batch << " x " << t.accum_steps << " micro-batches x " << world_.world_size
-              << " ranks = " << t.micro_batch * t.accum_steps * world_.world_size << " samples per step\n"
-              << "checkpoint: " << policy_.describe() << ", head " << config_.memory.head << "\n"
+              << (world_.world_size == 1 ? " rank" : " ranks") << " = " << t.micro_batch * t.accum_steps * world_.world_size
+              << " samples per step\n"
+              << "recompute:  " << policy_.describe() << "; head " << config_.memory.head << "\n"
+              << "MFU peak:   "
+              << (peak.first > 0 ? si(peak.first) + "FLOP/s (" + peak.second + ")" : std::string("unknown: no MFU (set log.peak_tflops to report it)"))
+              << "\n"
               << (dp_ ? "parallel:   " + dp_->describe() + "\n" : std::string())
               << "run folder: " << run_dir_ << "\n"
               << std::flush;
@@ -361,6 +409,9 @@ void Trainer::fit() {
   const double tokens_per_step = samples_per_step * static_cast<double>(model_->tokens_per_sample());
   auto last_time = std::chrono::steady_clock::now();
   int64_t last_step = step_;
+  // Throughput over the run, from the end of the first step (which allocates the optimizer state).
+  auto first_step_end = last_time;
+  int64_t first_step = -1;
   double last_loss = std::numeric_limits<double>::quiet_NaN();
   while (step_ < t.steps) {
     auto r = step();
@@ -380,11 +431,15 @@ void Trainer::fit() {
       last_loss = r.loss.item<double>();
       const double norm = r.grad_norm.item<double>();
       const auto& mem = tracker_->last();
+      if (first_step < 0) first_step = step_, first_step_end = now;
       nlohmann::json j = {{"step", step_}, {"loss", last_loss}, {"lr", r.lr}, {"grad_norm", norm}, {"ms_per_step", ms},
                           {"samples_per_s", samples_per_step * 1000 / ms}};
       if (model_->tokens_per_sample() > 1) j["tokens_per_s"] = tokens_per_step * 1000 / ms;
-      if (model_->train_flops_per_sample() > 0)  // 0: the model's FLOPs are unknown
-        j["mfu_flops_per_s"] = samples_per_step * model_->train_flops_per_sample() * 1000 / ms;
+      // Achieved FLOP/s (all ranks), and MFU as a fraction of their peak. 0: the model's FLOPs are unknown.
+      const double flops = samples_per_step * model_->train_flops_per_sample() * 1000 / ms;
+      const double mfu = peak.first > 0 ? flops / (peak.first * world_.world_size) : 0;
+      if (flops > 0) j["flops_per_s"] = flops;
+      if (flops > 0 && mfu > 0) j["mfu"] = mfu;
       if (scaler_) j["loss_scale"] = scaler_->current_scale(), j["skipped"] = !r.applied;
       if (dp_) j["comm_bytes"] = r.comm_bytes;  // this rank's, in the last step's collectives
       for (const auto& m : mem) j["peak_" + m.device] = m.peak_allocated;
@@ -392,10 +447,11 @@ void Trainer::fit() {
       if (main) {
         std::ostringstream line;
         line << "step " << std::setw(5) << step_ << "/" << t.steps << " | loss " << std::fixed << std::setprecision(4)
-             << last_loss << " | lr " << std::scientific << std::setprecision(2) << r.lr << " | grad "
+             << last_loss << " | lr " << std::scientific << std::setprecision(2) << r.lr << " | grad norm (pre-clip) "
              << std::fixed << std::setprecision(3) << norm << " | " << std::setprecision(1) << ms << " ms/step | "
              << si(model_->tokens_per_sample() > 1 ? tokens_per_step * 1000 / ms : samples_per_step * 1000 / ms)
              << (model_->tokens_per_sample() > 1 ? " tok/s" : " samples/s");
+        if (flops > 0 && mfu > 0) line << " | MFU " << std::setprecision(1) << 100 * mfu << "%";
         for (const auto& m : mem)
           line << " | peak " << m.device << " " << format_bytes(m.peak_allocated) << " (" << phase_name(m.peak_phase)
                << ")";
@@ -422,7 +478,18 @@ void Trainer::fit() {
   }
   if (bar && main) std::cout << "\n";
 
-  nlohmann::json summary = {{"steps", step_}, {"final_train_loss", last_loss}};
+  nlohmann::json summary = {{"steps", step_}, {"final_train_loss", last_loss}, {"world_size", world_.world_size}};
+  if (first_step >= 0 && step_ > first_step) {  // throughput after the first step, all ranks together
+    const double s = std::chrono::duration<double>(last_time - first_step_end).count();
+    const double steps = static_cast<double>(step_ - first_step);
+    summary["samples_per_s"] = samples_per_step * steps / s;
+    if (model_->tokens_per_sample() > 1) summary["tokens_per_s"] = tokens_per_step * steps / s;
+    if (model_->train_flops_per_sample() > 0) {
+      const double flops = samples_per_step * model_->train_flops_per_sample() * steps / s;
+      summary["flops_per_s"] = flops;
+      if (peak.first > 0) summary["mfu"] = flops / (peak.first * world_.world_size);
+    }
+  }
   auto val = evaluate(data_->val_batches(t.micro_batch, t.eval_batches));
   summary["val_loss"] = val.loss;
   auto test_batches = data_->test_batches(256);
@@ -434,9 +501,12 @@ void Trainer::fit() {
     summary["test_loss"] = test.loss, summary["test_accuracy"] = test.accuracy;
     out << ", test accuracy " << std::setprecision(2) << 100 * test.accuracy << "% on " << test.samples << " images";
   }
+  const auto memory = config_.memory.track ? gather_memory_summaries() : std::vector<MemoryTracker::Summary>{};
+  for (const auto& m : memory)
+    summary["peak_allocated_bytes"]["rank" + std::to_string(m.rank) + "/" + m.device] = m.max_peak;
   if (main) {
     std::cout << out.str() << "\n";
-    if (config_.memory.track) std::cout << tracker_->summary_table();
+    if (config_.memory.track) std::cout << MemoryTracker::format_summary_table(memory);
     if (config_.checkpoint.save_final) {
       fs::create_directories(ckpt_dir);
       const auto path = (fs::path(ckpt_dir) / "model.safetensors").string();
@@ -445,6 +515,46 @@ void Trainer::fit() {
     }
     write_file_atomically((fs::path(run_dir_) / "summary.json").string(), summary.dump(2) + "\n");
   }
+}
+
+std::vector<MemoryTracker::Summary> Trainer::gather_memory_summaries() {
+  auto mine = tracker_->summaries();
+  if (!dp_) return mine;
+  // Fixed-size rows of int64 (at most two devices per rank: cpu and its GPU), all-gathered.
+  constexpr int64_t kRows = 2, kFields = 12;
+  auto local = torch::zeros({kRows, kFields}, torch::kLong);
+  for (size_t i = 0; i < mine.size() && i < static_cast<size_t>(kRows); ++i) {
+    const auto& m = mine[i];
+    const auto dev = c10::Device(m.device);
+    const int64_t row[kFields] = {1, dev.is_cuda(), dev.has_index() ? dev.index() : 0, m.steps, m.max_peak,
+                                  m.max_reserved, m.first_activation, m.steady_activation, static_cast<int64_t>(m.max_phase),
+                                  m.resident.params, m.resident.grads, m.resident.optimizer_state};
+    for (int64_t f = 0; f < kFields; ++f) local[static_cast<int64_t>(i)][f] = row[f];
+  }
+  const auto n = world_.world_size;
+  auto input = local.flatten().to(device_);
+  auto all = torch::empty({n * kRows * kFields}, input.options());
+  dp_->group_all_gather(all, input);
+  auto host = all.cpu().view({n, kRows, kFields});
+  std::vector<MemoryTracker::Summary> rows;
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t i = 0; i < kRows; ++i) {
+      auto v = host[r][i];
+      if (v[0].item<int64_t>() == 0) continue;
+      MemoryTracker::Summary m;
+      m.rank = static_cast<int>(r);
+      m.device = v[1].item<int64_t>() ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(v[2].item<int64_t>())).str()
+                                      : std::string("cpu");
+      m.steps = v[3].item<int64_t>(), m.max_peak = v[4].item<int64_t>(), m.max_reserved = v[5].item<int64_t>();
+      m.first_activation = v[6].item<int64_t>(), m.steady_activation = v[7].item<int64_t>();
+      m.max_phase = static_cast<Phase>(v[8].item<int64_t>());
+      m.resident.params = v[9].item<int64_t>(), m.resident.grads = v[10].item<int64_t>();
+      m.resident.optimizer_state = v[11].item<int64_t>();
+      m.resident.data = m.device == "cpu" ? data_->resident_bytes() : 0;  // every rank holds the same dataset
+      rows.push_back(m);
+    }
+  }
+  return rows;
 }
 
 }  // namespace memtrain

@@ -169,3 +169,92 @@ TEST(Examples, EveryCudaConfigTrainsSkipWithoutGpu) {
 
 }  // namespace
 }  // namespace memtrain
+
+namespace memtrain {
+namespace {
+
+std::string read_all(const std::filesystem::path& p) {
+  std::ifstream in(p);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// The run folder and the log of a short MLP run on Fashion-MNIST.
+struct OutputRun {
+  std::string log;
+  std::filesystem::path dir;
+  std::vector<MemoryTracker::Summary> memory;
+};
+
+OutputRun output_run(const std::vector<std::string>& extra = {}) {
+  std::vector<std::string> args = {"--train.steps=4", "--log.every=1", "--log.progress=lines", "--train.eval_every=0",
+                                   "--log.dir=" + test::tiny_gpt_config().log.dir, "--log.name=output"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  auto c = Config::load(test::source("examples/configs/mlp_fashion_cpu.ini"), args);
+  Trainer t(c);
+  testing::internal::CaptureStdout();
+  t.fit();
+  OutputRun r{testing::internal::GetCapturedStdout(), t.run_dir(), t.tracker().summaries()};
+  return r;
+}
+
+TEST(Output, DatasetBytesHaveTheirOwnColumnAndActivationsAreSteady) {
+  auto r = output_run();
+  ASSERT_EQ(r.memory.size(), 1u);
+  const auto& m = r.memory[0];
+  // Fashion-MNIST in memory: 70,000 float images of 28 x 28, 70,000 int64 labels, and the epoch's
+  // permutation of the 54,000 training images (val_fraction 0.1), int64.
+  const int64_t expected = 70000LL * 784 * 4 + 70000LL * 8 + 54000LL * 8;
+  EXPECT_EQ(m.resident.data, expected);
+  EXPECT_NE(r.log.find(format_bytes(expected)), std::string::npos) << r.log;
+  // The first step creates the AdamW moments (2 x params) inside the step; later steps do not.
+  EXPECT_GE(m.first_activation - m.steady_activation, 2 * m.resident.params - 4096) << r.log;
+  // steady = the largest activation peak of steps 2..4, as the JSONL says.
+  std::ifstream mem(r.dir / "memory.rank0.jsonl");
+  int64_t steady = 0;
+  int line_no = 0;
+  for (std::string line; std::getline(mem, line);) {
+    ++line_no;
+    // Steps are numbered from 1 here as in metrics.jsonl.
+    EXPECT_NE(line.find("\"step\":" + std::to_string(line_no)), std::string::npos) << line;
+    if (line_no > 1) {
+      auto at = line.find("\"activation_peak\":") + 18;
+      steady = std::max<int64_t>(steady, std::stoll(line.substr(at)));
+    }
+  }
+  EXPECT_EQ(line_no, 4);
+  EXPECT_EQ(m.steady_activation, steady);
+  auto metrics = read_all(r.dir / "metrics.jsonl");
+  auto first = metrics.substr(0, metrics.find('\n'));
+  EXPECT_TRUE(first.find("\"step\":1,") != std::string::npos || first.find("\"step\":1}") != std::string::npos) << first;
+  // CPU: no reserved figure beside the peak.
+  EXPECT_NE(r.log.find("cpu: reserved is not shown"), std::string::npos) << r.log;
+}
+
+TEST(Output, AchievedFlopsAndMfuAreNamedForWhatTheyAre) {
+  auto plain = output_run();
+  auto metrics = read_all(plain.dir / "metrics.jsonl");
+  EXPECT_EQ(metrics.find("mfu"), std::string::npos) << "no peak known on CPU: no MFU";
+  EXPECT_NE(metrics.find("\"flops_per_s\":"), std::string::npos);
+  EXPECT_NE(plain.log.find("MFU peak:   unknown"), std::string::npos) << plain.log;
+  // With a peak given, MFU = achieved FLOP/s / peak, in the log line and summary.json.
+  auto r = output_run({"--log.peak_tflops=0.5"});
+  auto summary = read_all(r.dir / "summary.json");
+  auto number = [&](const std::string& key) {
+    auto at = summary.find("\"" + key + "\": ");
+    return at == std::string::npos ? std::nan("") : std::stod(summary.substr(at + key.size() + 4));
+  };
+  EXPECT_NEAR(number("mfu"), number("flops_per_s") / 0.5e12, 1e-12);
+  EXPECT_GT(number("samples_per_s"), 0);
+  EXPECT_GT(number("rank0/cpu"), 200e6) << summary;  // peak_allocated_bytes: the images alone are 219 MB
+  EXPECT_NE(r.log.find("| MFU "), std::string::npos) << r.log;
+}
+
+TEST(Output, LogLineSaysPreClipAndOneRank) {
+  auto r = output_run();
+  EXPECT_NE(r.log.find("grad norm (pre-clip) "), std::string::npos) << r.log;
+  EXPECT_NE(r.log.find("x 1 rank = "), std::string::npos) << r.log;
+  EXPECT_EQ(r.log.find("1 ranks"), std::string::npos) << r.log;
+}
+
+}  // namespace
+}  // namespace memtrain

@@ -113,6 +113,7 @@ struct LogConfig {
   std::string dir = "runs";      // run folders go under here
   std::string name = "";         // "" = the config file's stem
   std::string progress = "auto"; // auto (bar on a terminal) | bar | lines
+  double peak_tflops = 0;        // the device's peak, for MFU; 0 = from the table of known GPUs (none on CPU)
 };
 
 struct CheckpointConfig {

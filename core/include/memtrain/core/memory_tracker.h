@@ -30,10 +30,12 @@ namespace memtrain {
 enum class Phase { kStart, kForward, kBackward, kOptimizer };
 const char* phase_name(Phase p);
 
+// Bytes that live across steps, by owner. All fields in bytes.
 struct ResidentBytes {
   int64_t params = 0;
   int64_t grads = 0;
-  int64_t optimizer_state = 0;
+  int64_t optimizer_state = 0;  // moments, momentum, fp32 master weights and their gradients
+  int64_t data = 0;             // the dataset held in memory (the text corpus, the images)
 };
 
 // Bytes of parameters, their gradients and the optimizer's state tensors that live on `device`.
@@ -93,7 +95,23 @@ class MemoryTracker {
   const std::vector<DeviceMemorySample>& end_step();
 
   const std::vector<DeviceMemorySample>& last() const { return last_; }
-  std::string summary_table() const;
+
+  // One device of one rank over the run, for the end-of-run table. Bytes.
+  struct Summary {
+    int rank = 0;
+    std::string device;
+    int64_t steps = 0;
+    int64_t max_peak = 0;
+    int64_t max_reserved = 0;         // CUDA only (the CPU allocator caches nothing: reserved == allocated)
+    int64_t first_activation = 0;     // the first step's activation peak: it also creates the optimizer state
+    int64_t steady_activation = 0;    // the largest activation peak of the later steps (the first's if only one)
+    Phase max_phase = Phase::kStart;
+    ResidentBytes resident;           // at the last step's end
+  };
+  std::vector<Summary> summaries() const;
+  std::string summary_table() const { return format_summary_table(summaries()); }
+  // A table of several ranks' summaries (rank 0 prints every rank's after gathering them).
+  static std::string format_summary_table(const std::vector<Summary>& rows);
 
  private:
   struct PhaseMark {
@@ -103,7 +121,8 @@ class MemoryTracker {
   struct Totals {
     int64_t steps = 0;
     int64_t max_peak = 0;
-    int64_t max_activation = 0;
+    int64_t first_activation = 0;
+    int64_t steady_activation = 0;
     int64_t max_reserved = 0;
     Phase max_phase = Phase::kStart;
     ResidentBytes resident;

@@ -37,6 +37,8 @@ class Dataset {
   // A separate test split where the data has one (Fashion-MNIST's t10k); else empty.
   virtual std::vector<Batch> test_batches(int64_t batch_size) { return {}; }
   virtual std::string describe() const = 0;
+  // Bytes of data this dataset holds in memory (the MemoryTracker's "data" column); 0 if it streams.
+  virtual int64_t resident_bytes() const { return 0; }
 };
 
 // The prepared-data folder: $MEMTRAIN_DATA if set, else the one the build was configured with.

@@ -74,6 +74,7 @@ class DataParallel {
   int64_t take_bytes_communicated();
   // A sum over ranks outside the step (evaluation, logged losses): its bytes are not the step's traffic.
   void group_all_reduce_sum(torch::Tensor& t);
+  void group_all_gather(torch::Tensor& output, torch::Tensor& input);
   const ProcessGroup& group() const { return *group_; }
   int64_t num_buckets() const;
   std::string describe() const;

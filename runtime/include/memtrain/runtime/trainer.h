@@ -89,6 +89,8 @@ class Trainer {
   Batch to_device(Batch batch) const;
   void move_grads_to_masters();  // device, and floating inputs in the parameters' dtype
   void resolve_budget_policy();
+  // Every rank's memory summary (rank 0 prints them in one table); collective when there are ranks.
+  std::vector<MemoryTracker::Summary> gather_memory_summaries();
 
   Config config_;
   World world_;
