@@ -90,6 +90,7 @@ void Trainer::setup() {
   const auto& t = config_.train;
   if (t.threads > 0) at::set_num_threads(static_cast<int>(t.threads));
   device_ = resolve_device(t.device, world_.local_rank);
+  if (device_.is_cuda()) c10::cuda::set_device(device_.index());  // this rank's GPU: LOCAL_RANK
   precision_ = parse_precision(t.precision);
   check_precision_supported(precision_, device_);
   if (precision_ == Precision::kBf16 && device_.is_cpu() && world_.is_main() && !cpu_has_native_bf16())

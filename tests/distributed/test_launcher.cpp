@@ -109,5 +109,16 @@ TEST(Rendezvous, AMissingRankFailsWithinTheTimeoutNamingTheStore) {
   EXPECT_LT(r.seconds, 30);
 }
 
+TEST(Rendezvous, ABusyPortIsNamed) {
+  // Another process listens on the port rank 0 must serve the store on.
+  auto r = run("python3 -c \"import socket,time; s=socket.socket(); s.bind(('127.0.0.1', 29734)); s.listen(); "
+               "time.sleep(15)\" & P=$!; sleep 1; (RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29734 "
+               "PROBE_TIMEOUT_S=5 " + probe() + " 2>&1); code=$?; kill $P; exit $code");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("rendezvous at 127.0.0.1:29734 failed: serving the store"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("that the port is free"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 30);
+}
+
 }  // namespace
 }  // namespace memtrain
