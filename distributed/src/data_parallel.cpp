@@ -50,6 +50,7 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
   // 1. Assign parameters to buckets, last registered first (backward's order), by (dtype, decay).
   std::map<std::tuple<c10::ScalarType, bool>, size_t> open;
   std::vector<std::vector<torch::Tensor>> members;
+  std::vector<std::vector<std::string>> member_names;
   for (auto it = named_params.rbegin(); it != named_params.rend(); ++it) {
     const auto& p = it->second;
     MEMTRAIN_CHECK(p.device() == device, Error, "[dist] parameter '", it->first, "' is on ", p.device(),
@@ -60,6 +61,7 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
     if (found == open.end() || buckets_[found->second]->size * p.element_size() >= bucket_bytes) {
       buckets_.push_back(std::make_unique<Bucket>());
       members.emplace_back();
+      member_names.emplace_back();
       buckets_.back()->decay = decay;
       found = open.insert_or_assign(key, buckets_.size() - 1).first;
     }
@@ -67,6 +69,7 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
     b.offsets.push_back(b.size);
     b.size += p.numel();
     members[found->second].push_back(p);
+    member_names[found->second].push_back(it->first);
   }
 
   // 2. Flat storage: parameters become views into it (same TensorImpl: autograd and hooks see the same
@@ -84,6 +87,7 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
       view.copy_(p.detach());
       p.set_data(view);
       b.params.push_back(p);
+      index_.push_back({member_names[k][i], static_cast<int64_t>(k), b.offsets[i], p.sizes().vec()});
     }
     group_->broadcast(b.flat, 0);
     if (options_.stage > 0 || options_.master_weights) {
@@ -133,6 +137,14 @@ std::vector<torch::Tensor> DataParallel::stepped_tensors() const {
 }
 
 int64_t DataParallel::num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
+
+const torch::Tensor& DataParallel::bucket_parameters(int64_t k) const { return buckets_.at(static_cast<size_t>(k))->flat; }
+
+std::pair<int64_t, int64_t> DataParallel::owned_range(int64_t k) const {
+  const auto& b = *buckets_.at(static_cast<size_t>(k));
+  if (options_.stage == 0) return {0, b.size};
+  return {group_->rank() * b.shard, (group_->rank() + 1) * b.shard};
+}
 
 void DataParallel::begin_step() {
   torch::NoGradGuard no_grad;

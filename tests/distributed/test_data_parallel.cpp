@@ -181,3 +181,39 @@ TEST(DataParallel, AKilledRankEndsTheJobNamingItWithNoProcessLeft) {
 
 }  // namespace
 }  // namespace memtrain
+
+#include "memtrain/distributed/data_parallel.h"
+#include "memtrain/models/gpt.h"
+
+namespace memtrain {
+namespace {
+
+// One rank (a world of 1, its own store): the bucket layout and the name index, checked against the model.
+TEST(DataParallel, BucketIndexCoversEveryParameterOnceAsViews) {
+  World w;
+  w.master_port = 29741;
+  auto group = ProcessGroup::create(w, {});
+  auto gpt = test::fixture_gpt();
+  std::vector<std::pair<std::string, torch::Tensor>> named;
+  for (const auto& item : gpt->named_parameters()) named.emplace_back(item.key(), item.value());
+  std::map<std::string, torch::Tensor> before;
+  for (const auto& [k, v] : named) before[k] = v.detach().clone();
+  DataParallel dp(group, named, {.stage = 1, .bucket_mib = 0.01});
+  EXPECT_GT(dp.num_buckets(), 2);
+  std::set<std::string> seen;
+  for (const auto& slot : dp.index()) {
+    EXPECT_TRUE(seen.insert(slot.name).second) << slot.name;
+    const auto& p = gpt->named_parameters()[slot.name];
+    EXPECT_EQ(slot.shape, p.sizes().vec()) << slot.name;
+    const auto& flat = dp.bucket_parameters(slot.bucket);
+    // The parameter is a view of its bucket at the recorded offset, with its values unchanged.
+    EXPECT_EQ(p.data_ptr<float>(), flat.data_ptr<float>() + slot.offset) << slot.name;
+    EXPECT_TRUE(torch::equal(p, before[slot.name])) << slot.name;
+  }
+  EXPECT_EQ(seen.size(), named.size());
+  // A world of one owns every element of a bucket.
+  EXPECT_EQ(dp.owned_range(0), std::make_pair(int64_t{0}, dp.bucket_parameters(0).numel()));
+}
+
+}  // namespace
+}  // namespace memtrain

@@ -41,6 +41,14 @@ struct DataParallelOptions {
   bool master_weights = false;        // bf16 parameters: the optimizer steps fp32 copies of this rank's part
 };
 
+// Where a parameter lives: its name (FQN), its bucket, its element offset there, its shape.
+struct ParamSlot {
+  std::string name;
+  int64_t bucket = 0;
+  int64_t offset = 0;
+  std::vector<int64_t> shape;
+};
+
 class DataParallel {
  public:
   // `named_params`: the distinct trainable parameters (tied weights once), all on one device.
@@ -77,6 +85,12 @@ class DataParallel {
   void group_all_gather(torch::Tensor& output, torch::Tensor& input);
   const ProcessGroup& group() const { return *group_; }
   int64_t num_buckets() const;
+  // The index name -> (bucket, offset, shape), in bucket order: what a sharded, name-keyed checkpoint
+  // needs to find a parameter's part of each rank's state.
+  const std::vector<ParamSlot>& index() const { return index_; }
+  // Bucket k's flat parameters, (padded size,), and the element range this rank owns.
+  const torch::Tensor& bucket_parameters(int64_t k) const;
+  std::pair<int64_t, int64_t> owned_range(int64_t k) const;
   std::string describe() const;
 
  private:
@@ -91,6 +105,7 @@ class DataParallel {
   DataParallelOptions options_;
   std::vector<std::unique_ptr<Bucket>> buckets_;
   std::vector<torch::Tensor> decay_, no_decay_;
+  std::vector<ParamSlot> index_;
   size_t next_to_launch_ = 0;
   bool armed_ = false;
   bool last_micro_ = true;
