@@ -99,11 +99,11 @@ TEST(DataParallel, StagesZeroOneTwoOnTwoAndFourRanksMatchOneProcess) {
   }
 }
 
-TEST(DataParallel, Bf16CheckpointingAndAccumulationInBothReduceModes) {
+TEST(DataParallel, Bf16RecomputeFusedHeadAndAccumulationInBothReduceModes) {
   // SGD: Adam's update is the sign of a tiny gradient wherever the gradient is tiny, so bf16 rounding
   // differences would move those weights by a whole learning rate; SGD's error stays proportional.
   const std::vector<std::string> techniques = {"--train.precision=bf16", "--memory.recompute=all", "--train.accum_steps=2",
-                                               "--train.optimizer=sgd", "--train.lr=0.05"};
+                                               "--memory.head=fused:16", "--train.optimizer=sgd", "--train.lr=0.05"};
   const auto one = train(1, 8, techniques);
   for (const char* reduce : {"step", "micro_batch"}) {
     SCOPED_TRACE(reduce);
@@ -113,6 +113,15 @@ TEST(DataParallel, Bf16CheckpointingAndAccumulationInBothReduceModes) {
     // bf16 matmuls over batches of another size may round differently: bf16's precision, not fp32's.
     expect_same_training(one, train(2, 8, args), 2e-3, 2e-2);
   }
+}
+
+TEST(DataParallel, ReductionsAreDeterministicRunToRun) {
+  const auto a = train(2, 8, {"--dist.zero_stage=2", "--dist.bucket_mib=0.05"});
+  const auto b = train(2, 8, {"--dist.zero_stage=2", "--dist.bucket_mib=0.05"});
+  ASSERT_EQ(a.code, 0) << a.output;
+  ASSERT_EQ(a.losses.size(), 4u);
+  EXPECT_EQ(a.losses, b.losses);  // bitwise
+  for (const auto& [key, w] : a.weights) EXPECT_TRUE(torch::equal(b.weights.at(key), w)) << key;
 }
 
 TEST(DataParallel, Bf16ParametersWithShardedFp32Masters) {
