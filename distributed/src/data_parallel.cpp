@@ -28,6 +28,7 @@ struct DataParallel::Bucket {
   size_t ready = 0;                   // parameters whose gradient is accumulated in this backward
   PendingCollective pending;
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks;  // accumulator, hook key
+  std::vector<unsigned> pre_hooks;    // stage 2: one per parameter, allocates the bucket's gradient
 };
 
 namespace {
@@ -95,7 +96,7 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
       b.stepped = options_.master_weights ? mine.to(torch::kFloat, false, /*copy=*/true) : mine.detach();
       b.reduced = torch::zeros_like(b.stepped);  // (shard,) or (size,), the stepped dtype
     }
-    if (options_.stage < 2) allocate_gradients(b);
+    if (options_.stage < 2) allocate_gradients(b);  // stage 2: when the bucket's first gradient arrives
     if (!b.stepped.defined()) {  // stage 0 without masters: the optimizer steps the bucket itself
       b.stepped = b.flat.detach();
       b.reduced = b.grad;
@@ -115,13 +116,22 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
             return outputs;
           }));
       buckets_[k]->hooks.emplace_back(acc, key);  // holding the accumulator keeps it (and the hook) alive
+      // Stage 2: a bucket's full gradient exists from its first parameter's gradient to the end of its
+      // reduce-scatter, not for the whole backward. The tensor hook runs before AccumulateGrad, which
+      // then accumulates into the view it finds.
+      if (options_.stage == 2)
+        buckets_[k]->pre_hooks.push_back(p.register_hook([this, k](const torch::Tensor&) {
+          if (!buckets_[k]->grad.defined()) allocate_gradients(*buckets_[k]);
+        }));
     }
   }
 }
 
 DataParallel::~DataParallel() {
-  for (auto& b : buckets_)
+  for (auto& b : buckets_) {
     for (auto& [acc, key] : b->hooks) acc->del_post_hook(key);
+    for (size_t i = 0; i < b->pre_hooks.size(); ++i) b->params[i].remove_hook(b->pre_hooks[i]);
+  }
 }
 
 void DataParallel::allocate_gradients(Bucket& b) {
@@ -163,10 +173,7 @@ void DataParallel::begin_micro_batch(bool last) {
   last_micro_ = last;
   armed_ = options_.reduce_every_micro_batch || last;
   next_to_launch_ = 0;
-  for (auto& b : buckets_) {
-    b->ready = 0;
-    if (!b->grad.defined()) allocate_gradients(*b);  // stage 2: freed after the previous reduction
-  }
+  for (auto& b : buckets_) b->ready = 0;
 }
 
 void DataParallel::on_gradient_ready(size_t k) {
@@ -176,12 +183,17 @@ void DataParallel::on_gradient_ready(size_t k) {
 
 void DataParallel::launch_ready_buckets() {
   // In bucket order only: every rank must issue the same collectives in the same order.
-  while (next_to_launch_ < buckets_.size() && buckets_[next_to_launch_]->ready == buckets_[next_to_launch_]->params.size())
+  while (next_to_launch_ < buckets_.size() && buckets_[next_to_launch_]->ready == buckets_[next_to_launch_]->params.size()) {
     launch(*buckets_[next_to_launch_++]);
+    // Stage 2: finish (wait for, add, free) the bucket before the one just launched, so at most two
+    // full-size gradient buckets are in flight while backward goes on.
+    if (options_.stage == 2 && next_to_launch_ >= 2) finish(*buckets_[next_to_launch_ - 2]);
+  }
 }
 
 void DataParallel::launch(Bucket& b) {
   torch::NoGradGuard no_grad;
+  if (!b.grad.defined()) allocate_gradients(b);  // stage 2: no parameter of it got a gradient (zeros)
   b.grad.div_(static_cast<double>(group_->size()));  // a mean over ranks; Gloo has no AVG
   if (options_.stage == 0) {
     b.pending = group_->all_reduce_sum_async(b.grad);
@@ -195,6 +207,7 @@ void DataParallel::launch(Bucket& b) {
 }
 
 void DataParallel::finish(Bucket& b) {
+  if (!b.pending.pending()) return;  // finished early (stage 2)
   b.pending.wait();
   torch::NoGradGuard no_grad;
   ++b.reductions;

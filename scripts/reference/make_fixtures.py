@@ -11,6 +11,8 @@ Run by the build (tests/CMakeLists.txt) with the project venv's python:  make_fi
   gpt_bf16.safetensors     the same GPT under torch.autocast("cpu", torch.bfloat16): loss and gradients,
                            single-threaded (as is every fixture here; the C++ test runs it on one thread too)
   grad_scaler.safetensors  torch.amp.GradScaler's scale after each step for an inf/NaN injection pattern
+  ddp_zero.safetensors     2 Gloo ranks under DistributedDataParallel, with torch.optim.AdamW and with
+                           ZeroRedundancyOptimizer: batches, losses, final parameters (ddp_ref.py)
 
 The GPT here mirrors memtrain's (models/src/gpt.cpp) operation for operation and name for name.
 """
@@ -174,6 +176,8 @@ def main():
     gpt_bf16(out)
     gpt_master(out)
     grad_scaler(out)
+    import ddp_ref  # here, not at the top: it imports this module for the GPT, its weights and the writer
+    ddp_ref.main(out)
     print(f"fixtures written to {out} (torch {torch.__version__})")
 
 

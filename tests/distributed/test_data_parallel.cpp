@@ -157,6 +157,25 @@ TEST(DataParallel, PerRankStateAndGradientBytesAreOneNth) {
   }
 }
 
+TEST(DataParallel, StageTwoFreesFullGradientsDuringBackward) {
+  // Stage 1 holds every full gradient bucket at backward's peak; stage 2 at most two buckets in flight
+  // (0.02 MiB each here), so its step peak is lower by about the full gradient's size.
+  const std::vector<std::string> args = {"--model.n_layer=4", "--model.n_embd=64", "--dist.bucket_mib=0.02"};
+  auto with = [&](int stage) {
+    auto a = args;
+    a.push_back("--dist.zero_stage=" + std::to_string(stage));
+    return train(2, 8, a);
+  };
+  const auto one = with(1), two = with(2);
+  ASSERT_EQ(one.code, 0) << one.output;
+  ASSERT_EQ(two.code, 0) << two.output;
+  const double full = field(one.last_memory[0], "grads") - field(two.last_memory[0], "grads");  // stage 1 keeps it
+  const double saved = field(one.last_memory[0], "peak_allocated") - field(two.last_memory[0], "peak_allocated");
+  EXPECT_GT(full, 0);
+  EXPECT_GT(saved, full - 2 * 2 * 0.02 * 1024 * 1024) << "stage 2 peak " << two.last_memory[0] << "\nstage 1 peak "
+                                                      << one.last_memory[0];
+}
+
 TEST(DataParallel, TorchrunLaunchesTheSameTraining) {
   const auto torchrun = fs::path(MEMTRAIN_PYTHON).parent_path() / "torchrun";
   const auto one = train(1, 8, {});

@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""PyTorch's own data parallelism on the fixture GPT, the expected values of memtrain's DDP/ZeRO parity test
+(tests/distributed/ddp_parity_rank.cpp).
+
+Run by make_fixtures.py at the end of its main (or by hand):  ddp_ref.py OUT_DIR
+
+Two Gloo processes (torch.multiprocessing, spawn) train make_fixtures.py's GPT, with gpt_parity.safetensors'
+weights, for STEPS steps on a fixed global batch of GLOBAL_BATCH sequences per step (rank r takes rows
+[r * GLOBAL_BATCH / 2, (r + 1) * GLOBAL_BATCH / 2)), fp32, no clipping, with AdamW as make_fixtures.adamw
+(lr 1e-2, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on matrices only), twice:
+
+  (a) DistributedDataParallel + torch.optim.AdamW
+  (b) DistributedDataParallel + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW, same groups)
+
+ddp_zero.safetensors holds
+  inputs, targets          (STEPS, GLOBAL_BATCH, T) int64: step s's global batch
+  ddp_losses, zero_losses  (STEPS,) f64: each step's loss (before its update), the mean over the ranks
+  ddp_final.<name>, zero_final.<name>   every parameter after the last step of (a) and of (b)
+"""
+import os, socket, sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import make_fixtures as fx  # noqa: E402  (the fixture GPT, its weights, the AdamW groups, the writer)
+
+WORLD = 2
+STEPS = 4
+GLOBAL_BATCH = 8
+
+
+def batches():
+    g = torch.Generator().manual_seed(2)
+    idx = torch.randint(0, fx.CFG["vocab_size"], (STEPS, GLOBAL_BATCH, fx.CFG["block_size"] + 1), generator=g)
+    return idx[..., :-1].contiguous(), idx[..., 1:].contiguous()
+
+
+def train(rank, zero):
+    """One run on this rank: the loss of every step (mean over ranks) and the final parameters."""
+    model = fx.make_model()  # the same seeded weights as gpt_parity.safetensors on every rank
+    ddp = DDP(model)
+    if zero:
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        opt = ZeroRedundancyOptimizer([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                      optimizer_class=torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    else:
+        opt = fx.adamw(list(model.parameters()))
+    inputs, targets = batches()
+    rows = slice(rank * GLOBAL_BATCH // WORLD, (rank + 1) * GLOBAL_BATCH // WORLD)
+    losses = []
+    for s in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        _, loss = ddp(inputs[s, rows], targets[s, rows])
+        loss.backward()  # DDP averages the gradients over the ranks
+        opt.step()       # ZeRO: each rank steps its share of the parameters, then broadcasts them
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / WORLD)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def worker(rank, port, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    ddp_losses, ddp_final = train(rank, zero=False)
+    zero_losses, zero_final = train(rank, zero=True)
+    if rank == 0:
+        inputs, targets = batches()
+        t = {"inputs": inputs, "targets": targets,
+             "ddp_losses": torch.tensor(ddp_losses, dtype=torch.float64),
+             "zero_losses": torch.tensor(zero_losses, dtype=torch.float64)}
+        t.update({"ddp_final." + n: p for n, p in ddp_final.items()})
+        t.update({"zero_final." + n: p for n, p in zero_final.items()})
+        fx.save(os.path.join(out, "ddp_zero.safetensors"), t,
+                dict(world=WORLD, steps=STEPS, global_batch=GLOBAL_BATCH))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(out):
+    os.makedirs(out, exist_ok=True)
+    mp.spawn(worker, args=(free_port(), out), nprocs=WORLD, join=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
