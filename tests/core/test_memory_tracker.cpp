@@ -104,12 +104,12 @@ TEST(MemoryTracker, WritesOneJsonLinePerStep) {
   int n = 0;
   while (std::getline(in, line)) {
     auto j = nlohmann::json::parse(line);
-    EXPECT_EQ(j["step"].get<int>(), n);
+    EXPECT_EQ(j["step"].get<int>(), n + 1);  // steps are numbered from 1, as in metrics.jsonl
     EXPECT_EQ(j["device"], "cpu");
     EXPECT_GT(j["peak_allocated"].get<int64_t>(), j["start_allocated"].get<int64_t>());
     EXPECT_EQ(j["activation_peak"].get<int64_t>(),
               j["peak_allocated"].get<int64_t>() - j["start_allocated"].get<int64_t>());
-    for (const char* k : {"peak_reserved", "params", "grads", "optimizer_state", "peak_phase", "rank"})
+    for (const char* k : {"peak_reserved", "params", "grads", "optimizer_state", "data", "peak_phase", "rank"})
       EXPECT_TRUE(j.contains(k)) << k;
     ++n;
   }
