@@ -80,7 +80,20 @@ void expect_same_training(const Run& one, const Run& many, double loss_tol, doub
   for (size_t s = 0; s < one.losses.size(); ++s)
     EXPECT_NEAR(many.losses[s], one.losses[s], loss_tol * std::abs(one.losses[s])) << "step " << s + 1;
   ASSERT_EQ(many.weights.size(), one.weights.size());
-  for (const auto& [key, w] : one.weights) EXPECT_LT(test::relative_error(many.weights.at(key), w), weight_tol) << key;
+  for (const auto& [key, w] : one.weights) {
+    auto got = many.weights.at(key);
+    if (key.size() > 16 && key.compare(key.size() - 16, 16, "attn.c_attn.bias") == 0) {
+      // The key third of the qkv bias gets no gradient but rounding noise (softmax does not change when a
+      // constant is added to every score of a row), and Adam turns noise into steps of up to lr of
+      // either sign: that third may differ by 4 steps x lr (2e-3 in this config); q and v as the rest.
+      const auto c = w.size(0) / 3;
+      EXPECT_LE((got.slice(0, c, 2 * c) - w.slice(0, c, 2 * c)).abs().max().item<double>(), 4 * 2e-3 + 1e-6) << key;
+      got = torch::cat({got.slice(0, 0, c), got.slice(0, 2 * c)});
+      EXPECT_LT(test::relative_error(got, torch::cat({w.slice(0, 0, c), w.slice(0, 2 * c)})), weight_tol) << key;
+      continue;
+    }
+    EXPECT_LT(test::relative_error(got, w), weight_tol) << key;
+  }
 }
 
 TEST(DataParallel, StagesZeroOneTwoOnTwoAndFourRanksMatchOneProcess) {
@@ -181,6 +194,39 @@ TEST(DataParallel, TorchrunLaunchesTheSameTraining) {
   const auto one = train(1, 8, {});
   expect_same_training(one, train(2, 8, {"--dist.zero_stage=1"}, torchrun.string() + " --no-python --standalone"), 1e-5,
                        1e-4);
+}
+
+TEST(DataParallel, TwoLaunchersAsTwoNodesTrainAsOneJob) {
+  // Node 0 and node 1 on the loopback address, two ranks each: one world of 4, the same losses as one
+  // process with the same global batch.
+  const auto one = train(1, 8, {});
+  const std::string nodes = bin("memtrain-run") + " --nnodes 2 --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29751";
+  // train() starts "<launcher> --nproc-per-node 4 <memtrain ...>": a shell function splits it into the two nodes.
+  const std::string launcher = "sh -c 'shift 2; (" + nodes + " --node-rank 1 -- \"$@\" > /dev/null 2>&1 &); " + nodes +
+                               " --node-rank 0 -- \"$@\"' sh";
+  expect_same_training(one, train(4, 8, {"--dist.zero_stage=2"}, launcher), 1e-5, 1e-4);
+}
+
+TEST(DataParallel, SigtermToTheLauncherReachesEveryRank) {
+  const auto dir = fs::temp_directory_path() / ("memtrain-dp-term-" + std::to_string(::getpid()));
+  const std::string script = bin("memtrain-run") + " --standalone --nproc-per-node 2 -- " + bin("memtrain") +
+                             " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
+                             " --model.n_layer=2 --model.n_embd=32 --model.n_head=2 --model.block_size=32"
+                             " --train.steps=100000 --log.progress=lines --log.dir=" + dir.string() +
+                             " > /dev/null 2>&1 & L=$!; sleep 6; kids=$(pgrep -P $L); kill -TERM $L; wait $L; "
+                             "echo \"exit=$?\"; sleep 1; left=none-left; for k in $kids; do kill -0 $k 2>/dev/null && "
+                             "left=LEFT; done; echo $left; echo \"kids=$kids\"";
+  FILE* p = popen(script.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf;
+  while (p && fgets(buf.data(), buf.size(), p)) out += buf.data();
+  pclose(p);
+  fs::remove_all(dir);
+  // The ranks have no SIGTERM handler yet (saving on a signal is the resume issue's): they end by the
+  // signal, and the launcher reports it.
+  EXPECT_NE(out.find("exit=143"), std::string::npos) << out;
+  EXPECT_NE(out.find("none-left"), std::string::npos) << out;
+  EXPECT_TRUE(std::regex_search(out, std::regex("kids=[0-9]+\\s+[0-9]+"))) << out;  // two ranks were running
 }
 
 TEST(DataParallel, AKilledRankEndsTheJobNamingItWithNoProcessLeft) {
