@@ -27,6 +27,17 @@ double field(const std::string& json, const std::string& key) {
   return std::stod(m[1]);
 }
 
+// Runs a shell script; returns what it printed on stdout, and its exit code in *code.
+std::string shell(const std::string& script, int* code = nullptr) {
+  std::string out;
+  FILE* p = popen(script.c_str(), "r");
+  std::array<char, 4096> buf;
+  while (p && fgets(buf.data(), buf.size(), p)) out += buf.data();
+  const int status = p ? pclose(p) : -1;
+  if (code) *code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return out;
+}
+
 struct Run {
   int code = -1;
   std::string output;
@@ -52,11 +63,7 @@ Run train(int ranks, int64_t global_batch, const std::vector<std::string>& extra
                                 : launcher + " --nproc-per-node " + std::to_string(ranks)) +
               " " + command;
   Run r;
-  FILE* p = popen((command + " 2>&1").c_str(), "r");
-  std::array<char, 4096> buf;
-  while (p && fgets(buf.data(), buf.size(), p)) r.output += buf.data();
-  const int status = p ? pclose(p) : -1;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.output = shell(command + " 2>&1", &r.code);
   std::ifstream metrics(dir / name / "metrics.jsonl");
   for (std::string line; std::getline(metrics, line);)
     if (line.find("\"loss\"") != std::string::npos) r.losses.push_back(field(line, "loss"));
@@ -216,11 +223,7 @@ TEST(DataParallel, SigtermToTheLauncherReachesEveryRank) {
                              " > /dev/null 2>&1 & L=$!; sleep 6; kids=$(pgrep -P $L); kill -TERM $L; wait $L; "
                              "echo \"exit=$?\"; sleep 1; left=none-left; for k in $kids; do kill -0 $k 2>/dev/null && "
                              "left=LEFT; done; echo $left; echo \"kids=$kids\"";
-  FILE* p = popen(script.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf;
-  while (p && fgets(buf.data(), buf.size(), p)) out += buf.data();
-  pclose(p);
+  const auto out = shell(script);
   fs::remove_all(dir);
   // The ranks have no SIGTERM handler yet (saving on a signal is the resume issue's): they end by the
   // signal, and the launcher reports it.
@@ -241,11 +244,7 @@ TEST(DataParallel, AKilledRankEndsTheJobNamingItWithNoProcessLeft) {
                              "kids=$(pgrep -P $L); victim=$(echo \"$kids\" | tail -1); kill -9 $victim; wait $L; "
                              "echo \"exit=$?\"; sleep 1; left=none-left; for k in $kids; do kill -0 $k 2>/dev/null && "
                              "left=LEFT; done; echo $left; cat " + dir.string() + ".log";
-  FILE* p = popen(script.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf;
-  while (p && fgets(buf.data(), buf.size(), p)) out += buf.data();
-  pclose(p);
+  const auto out = shell(script);
   fs::remove_all(dir);
   fs::remove(dir.string() + ".log");
   EXPECT_NE(out.find("exit=137"), std::string::npos) << out;
