@@ -5,7 +5,8 @@
 //
 // Each child gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT
 // (and OMP_NUM_THREADS=1 when several share a node and it is unset, as torchrun does). Their output
-// lines are prefixed with their rank (or written to DIR/rank<N>.log). SIGINT and SIGTERM are forwarded.
+// lines are prefixed with their rank (or written to DIR/rank<N>.log). SIGINT and SIGTERM are forwarded
+// (each time; SIGHUP as SIGTERM) to each rank's process group.
 // When one child fails, the others are stopped (SIGTERM, then SIGKILL after a grace period) and the
 // launcher exits with that child's code and a line naming its rank. No LibTorch here: it only starts
 // processes.
@@ -15,6 +16,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -22,6 +24,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -182,6 +185,11 @@ void drain(Child& c) {
       c.partial.erase(0, nl + 1);
     }
   }
+  if (n == 0) {  // the child closed its output (it may still run): stop polling it, or poll spins on POLLHUP
+    if (!c.partial.empty()) emit(c, c.partial), c.partial.clear();
+    close(c.out_fd);
+    c.out_fd = -1;
+  }
 }
 
 int exit_code(int status) {
@@ -201,12 +209,20 @@ int main(int argc, char** argv) {
   auto o = parse(argc, argv);
   if (o.master_port == 0) o.master_port = free_port(o.master_addr);
   const int world = o.nnodes * o.nproc;
-  if (!o.log_dir.empty()) std::system(("mkdir -p '" + o.log_dir + "'").c_str());
+  if (!o.log_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(o.log_dir, ec);
+    if (ec) {
+      std::cerr << "memtrain-run: cannot create --log-dir '" << o.log_dir << "': " << ec.message() << "\n";
+      return 1;
+    }
+  }
 
   struct sigaction sa{};
   sa.sa_handler = on_signal;
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGHUP, &sa, nullptr);  // the terminal went away: stop the ranks too
   signal(SIGPIPE, SIG_IGN);
   struct sigaction sc{};
   sc.sa_handler = on_child;
@@ -215,19 +231,36 @@ int main(int argc, char** argv) {
   if (o.nproc > kMaxChildren) usage_error("--nproc-per-node above " + std::to_string(kMaxChildren));
 
   std::vector<Child> children(static_cast<size_t>(o.nproc));
+  // Starting failed part way: stop and reap the ranks already started, never signal pid <= 0.
+  auto abandon = [&](const char* what) {
+    std::perror(what);
+    for (auto& c : children)
+      if (c.pid > 0) kill(-c.pid, SIGKILL);
+    for (auto& c : children)
+      if (c.pid > 0) waitpid(c.pid, nullptr, 0);
+    return 1;
+  };
+  const pid_t launcher_pid = getpid();
   for (int local = 0; local < o.nproc; ++local) {
     auto& c = children[static_cast<size_t>(local)];
     c.rank = o.node_rank * o.nproc + local;
     int fds[2];
-    if (pipe(fds) != 0) {
-      std::perror("memtrain-run: pipe");
-      return 1;
-    }
+    if (pipe2(fds, O_CLOEXEC) != 0) return abandon("memtrain-run: pipe");  // no rank inherits another's pipe
     c.pid = fork();
+    if (c.pid < 0) {
+      c.pid = -1;
+      close(fds[0]);
+      close(fds[1]);
+      return abandon("memtrain-run: fork");
+    }
     if (c.pid == 0) {
       // Its own process group: a Ctrl-C on the terminal reaches the launcher only, which forwards it
-      // once (a rank that gets a second signal exits at once instead of saving).
+      // once (a rank that gets a second signal exits at once instead of saving). Signals go to the whole
+      // group, so a wrapper command (sh -c, numactl) and the rank under it stop together.
       setpgid(0, 0);
+      prctl(PR_SET_PDEATHSIG, SIGTERM);  // the launcher died: do not train on unsupervised
+      if (getppid() != launcher_pid) _exit(1);
+      signal(SIGPIPE, SIG_DFL);
       dup2(fds[1], STDOUT_FILENO);
       dup2(fds[1], STDERR_FILENO);
       close(fds[0]);
@@ -247,10 +280,16 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "memtrain-run: cannot run '%s': %s\n", args[0], std::strerror(errno));
       _exit(127);
     }
+    setpgid(c.pid, c.pid);  // also here: no race with the child's own call before the first kill
     close(fds[1]);
     fcntl(fds[0], F_SETFL, fcntl(fds[0], F_GETFL) | O_NONBLOCK);
     c.out_fd = fds[0];
-    if (!o.log_dir.empty()) c.log.open(o.log_dir + "/rank" + std::to_string(c.rank) + ".log");
+  }
+  // Log files after every fork, so that no rank inherits them.
+  for (auto& c : children) {
+    if (o.log_dir.empty()) continue;
+    c.log.open(o.log_dir + "/rank" + std::to_string(c.rank) + ".log");
+    if (!c.log.good()) std::cerr << "memtrain-run: cannot write " << o.log_dir << "/rank" << c.rank << ".log\n";
   }
 
   int result = 0;
@@ -258,9 +297,15 @@ int main(int argc, char** argv) {
   bool stopping = false;
   auto stop_time = std::chrono::steady_clock::time_point::max();
   auto stop_all = [&](int sig) {
-    for (auto& c : children)
-      if (c.running) kill(c.pid, sig);
+    for (auto& c : children) {
+      if (!c.running || c.pid <= 0) continue;
+      // Reaped by the SIGCHLD handler but not yet processed: its pid may already be someone else's.
+      bool reaped = false;
+      for (int i = handled; i < g_exited; ++i) reaped = reaped || g_exited_pid[i] == c.pid;
+      if (!reaped) kill(-c.pid, sig);
+    }
   };
+  int forwarded = 0;
   for (;;) {
     // Output first, so that a failing rank's last words come before the launcher's verdict.
     std::vector<pollfd> fds;
@@ -271,11 +316,14 @@ int main(int argc, char** argv) {
     for (auto& c : children)
       if (c.out_fd >= 0) drain(c);
 
-    if (g_signal != 0 && !stopping) {  // forward once; the children save and exit (or die)
-      std::cerr << "memtrain-run: " << strsignal(g_signal) << ": forwarding to the ranks\n";
-      stop_all(g_signal);
+    if (g_signal != 0) {  // forward it; the children save and exit (a second one: they exit at once)
+      const int sig = g_signal;
+      g_signal = 0;
+      std::cerr << "memtrain-run: " << strsignal(sig) << ": forwarding to the ranks\n";
+      stop_all(sig == SIGHUP ? SIGTERM : sig);
+      if (!stopping) stop_time = std::chrono::steady_clock::now() + std::chrono::seconds(o.grace_s);
       stopping = true;
-      stop_time = std::chrono::steady_clock::now() + std::chrono::seconds(o.grace_s);
+      ++forwarded;
     }
     for (; handled < g_exited; ++handled) {  // in exit order
       for (auto& c : children) {
@@ -283,10 +331,12 @@ int main(int argc, char** argv) {
         const int status = g_exited_status[handled];
         c.running = false;
         c.status = status;
-        drain(c);
-        if (!c.partial.empty()) emit(c, c.partial), c.partial.clear();
-        close(c.out_fd);
-        c.out_fd = -1;
+        if (c.out_fd >= 0) {
+          drain(c);
+          if (!c.partial.empty()) emit(c, c.partial), c.partial.clear();
+          if (c.out_fd >= 0) close(c.out_fd);
+          c.out_fd = -1;
+        }
         if (exit_code(status) != 0 && result == 0) result = exit_code(status);
         if (exit_code(status) != 0 && !stopping) {
           std::cerr << "memtrain-run: rank " << c.rank << " (pid " << c.pid << ") " << describe(status)
@@ -306,7 +356,7 @@ int main(int argc, char** argv) {
       stop_time = std::chrono::steady_clock::time_point::max();
     }
   }
-  if (result != 0 && !g_signal) {
+  if (result != 0 && forwarded == 0) {
     std::cerr << "memtrain-run: failed with exit code " << result << " (";
     for (size_t i = 0; i < children.size(); ++i)
       std::cerr << (i ? ", " : "") << "rank " << children[i].rank << ": " << exit_code(children[i].status);

@@ -14,7 +14,6 @@ namespace memtrain {
 struct DataParallel::Bucket {
   std::vector<torch::Tensor> params;  // views into `flat`
   std::vector<int64_t> offsets;       // element offset of each parameter in the bucket
-  bool decay = false;
   int64_t size = 0;                   // elements, padded to a multiple of the world size
   int64_t shard = 0;                  // size / N: this rank's part is [rank * shard, (rank + 1) * shard)
   torch::Tensor flat;                 // (size,) param dtype: the parameters; replicated on every rank
@@ -29,6 +28,9 @@ struct DataParallel::Bucket {
   PendingCollective pending;
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks;  // accumulator, hook key
   std::vector<unsigned> pre_hooks;    // stage 2: one per parameter, allocates the bucket's gradient
+  // What the optimizer steps: per parameter, its elements inside `stepped` (a view) and their reduced
+  // gradient (a view of `reduced`, set as the view's .grad): the weight-decay class is the parameter's.
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> segments;
 };
 
 namespace {
@@ -48,29 +50,26 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
   const auto device = named_params.front().second.device();
   const auto bucket_bytes = static_cast<int64_t>(options_.bucket_mib * 1024 * 1024);
 
-  // 1. Assign parameters to buckets, last registered first (backward's order), by (dtype, decay).
-  std::map<std::tuple<c10::ScalarType, bool>, size_t> open;
+  // 1. Assign parameters to buckets, last registered first (backward's order): consecutive runs of one
+  //    dtype, closed at bucket_mib. A bucket fills while backward goes on, so it can be reduced (and, in
+  //    stage 2, freed) long before backward ends.
   std::vector<std::vector<torch::Tensor>> members;
   std::vector<std::vector<std::string>> member_names;
   for (auto it = named_params.rbegin(); it != named_params.rend(); ++it) {
     const auto& p = it->second;
     MEMTRAIN_CHECK(p.device() == device, Error, "[dist] parameter '", it->first, "' is on ", p.device(),
                    ", the others on ", device, ": data parallelism needs one device per rank");
-    const bool decay = p.dim() >= 2;  // the rule make_optimizer applies: matrices and filters only
-    auto key = std::make_tuple(p.scalar_type(), decay);
-    auto found = open.find(key);
-    if (found == open.end() || buckets_[found->second]->size * p.element_size() >= bucket_bytes) {
+    if (buckets_.empty() || members.back().front().scalar_type() != p.scalar_type() ||
+        buckets_.back()->size * p.element_size() >= bucket_bytes) {
       buckets_.push_back(std::make_unique<Bucket>());
       members.emplace_back();
       member_names.emplace_back();
-      buckets_.back()->decay = decay;
-      found = open.insert_or_assign(key, buckets_.size() - 1).first;
     }
-    auto& b = *buckets_[found->second];
+    auto& b = *buckets_.back();
     b.offsets.push_back(b.size);
     b.size += p.numel();
-    members[found->second].push_back(p);
-    member_names[found->second].push_back(it->first);
+    members.back().push_back(p);
+    member_names.back().push_back(it->first);
   }
 
   // 2. Flat storage: parameters become views into it (same TensorImpl: autograd and hooks see the same
@@ -101,8 +100,18 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
       b.stepped = b.flat.detach();
       b.reduced = b.grad;
     }
-    b.stepped.mutable_grad() = b.reduced;
-    (b.decay ? decay_ : no_decay_).push_back(b.stepped);
+    // Each parameter's elements in this rank's part, with the weight decay make_optimizer would give it
+    // (matrices and filters only). The padding at a bucket's end belongs to no parameter: not stepped.
+    const int64_t lo = options_.stage > 0 ? rank * b.shard : 0, hi = lo + b.stepped.numel();
+    for (size_t i = 0; i < b.params.size(); ++i) {
+      const int64_t from = std::max(lo, b.offsets[i]), to = std::min(hi, b.offsets[i] + b.params[i].numel());
+      if (from >= to) continue;
+      auto seg = b.stepped.narrow(0, from - lo, to - from);
+      auto seg_grad = b.reduced.narrow(0, from - lo, to - from);
+      seg.mutable_grad() = seg_grad;
+      b.segments.emplace_back(seg, seg_grad);
+      (b.params[i].dim() >= 2 ? decay_ : no_decay_).push_back(seg);
+    }
   }
   bytes_uncounted_ = group_->bytes_communicated();  // the initial broadcast is not a training step's traffic
 
@@ -165,7 +174,7 @@ void DataParallel::begin_step() {
       b->grad.zero_();
       allocate_gradients(*b);  // re-attach the views, in case something set a parameter's gradient to none
     }
-    b->stepped.mutable_grad() = b->reduced;  // likewise for the optimizer's zero_grad(set_to_none)
+    for (auto& [seg, seg_grad] : b->segments) seg.mutable_grad() = seg_grad;  // after a zero_grad(set_to_none)
   }
 }
 
@@ -268,6 +277,12 @@ void DataParallel::group_all_reduce_sum(torch::Tensor& t) {
 void DataParallel::group_all_gather(torch::Tensor& output, torch::Tensor& input) {
   const auto before = group_->bytes_communicated();
   group_->all_gather_async(output, input).wait();
+  bytes_uncounted_ += group_->bytes_communicated() - before;
+}
+
+void DataParallel::group_broadcast(torch::Tensor& t, int root) {
+  const auto before = group_->bytes_communicated();
+  group_->broadcast(t, root);
   bytes_uncounted_ += group_->bytes_communicated() - before;
 }
 

@@ -61,6 +61,8 @@ World World::from_env(const std::map<std::string, std::string>& env) {
                  " is outside [0, ", w.local_world_size, ")");
   if (auto it = env.find("MASTER_ADDR"); it != env.end() && !it->second.empty()) w.master_addr = it->second;
   if (auto port = read_int(env, "MASTER_PORT")) w.master_port = *port;
+  MEMTRAIN_CHECK(w.master_port >= 1 && w.master_port <= 65535, Error, "[dist] MASTER_PORT=", w.master_port,
+                 " is not a TCP port: expected 1 to 65535");
   return w;
 }
 

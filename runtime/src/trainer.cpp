@@ -150,9 +150,13 @@ void Trainer::setup() {
     dp_ = std::make_unique<DataParallel>(group, named,
                                          DataParallelOptions{.stage = static_cast<int>(d.zero_stage),
                                                              .bucket_mib = d.bucket_mib,
-                                                             .reduce_every_micro_batch = d.reduce == "micro_batch",
+                                                             // bf16 parameters: each micro-batch's gradient goes
+                                                             // to the fp32 masters, as in one process
+                                                             .reduce_every_micro_batch = d.reduce == "micro_batch" ||
+                                                                                         param_dtype_ != torch::kFloat,
                                                              .master_weights = param_dtype_ != torch::kFloat});
     optimizer_ = make_optimizer(optimizer_options(t), dp_->decay_tensors(), dp_->no_decay_tensors());
+    sync_buffers();  // an embedder's model may start with other statistics on each rank
   }
   schedule_ = std::make_unique<CosineSchedule>(
       CosineScheduleOptions{.peak = t.lr, .min = t.min_lr, .warmup_steps = t.warmup_steps, .total_steps = t.steps});
@@ -314,7 +318,16 @@ StepResult Trainer::step() {
   return r;
 }
 
+void Trainer::sync_buffers() {
+  // Buffers (BatchNorm's running statistics) follow each rank's own batches; rank 0's are the ones
+  // evaluated and saved, as DDP's broadcast_buffers makes them.
+  if (!dp_) return;
+  for (auto& b : model_->buffers())
+    if (b.is_floating_point()) dp_->group_broadcast(b, 0);
+}
+
 EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
+  sync_buffers();
   torch::NoGradGuard no_grad;
   model_->eval();
   EvalResult e;
@@ -472,6 +485,7 @@ void Trainer::fit() {
       if (main) std::cout << (bar ? "\n" : "") << "eval step " << step_ << ": val loss " << std::fixed
                           << std::setprecision(4) << e.loss << "\n" << std::flush;
     }
+    if (config_.checkpoint.every > 0 && step_ % config_.checkpoint.every == 0) sync_buffers();  // every rank
     if (config_.checkpoint.every > 0 && step_ % config_.checkpoint.every == 0 && main) {
       fs::create_directories(ckpt_dir);
       save_weights((fs::path(ckpt_dir) / ("model.step" + std::to_string(step_) + ".safetensors")).string());
@@ -494,10 +508,18 @@ void Trainer::fit() {
   auto val = evaluate(data_->val_batches(t.micro_batch, t.eval_batches));
   summary["val_loss"] = val.loss;
   auto test_batches = data_->test_batches(256);
+  // Whether there is a test split is the dataset's, not this rank's share of it: with more ranks than
+  // test batches some shares are empty, and every rank must still join evaluate()'s collectives.
+  bool has_test = !test_batches.empty();
+  if (dp_) {
+    auto any = torch::tensor({has_test ? 1.0 : 0.0}, torch::TensorOptions().dtype(torch::kDouble).device(device_));
+    dp_->group_all_reduce_sum(any);
+    has_test = any.item<double>() > 0;
+  }
   std::ostringstream out;
   out << "final: val loss " << std::fixed << std::setprecision(4) << val.loss;
   if (val.accuracy >= 0) out << ", val accuracy " << std::setprecision(2) << 100 * val.accuracy << "%";
-  if (!test_batches.empty()) {
+  if (has_test) {
     auto test = evaluate(test_batches);
     summary["test_loss"] = test.loss, summary["test_accuracy"] = test.accuracy;
     out << ", test accuracy " << std::setprecision(2) << 100 * test.accuracy << "% on " << test.samples << " images";

@@ -1,8 +1,8 @@
 // Data parallelism over a ProcessGroup, with ZeRO stages 0, 1 and 2 (Rajbhandari et al. 2020).
 //
-// The model's trainable parameters are packed into flat buckets per (device, dtype, weight decay), in
-// reverse order of registration (the order backward produces their gradients), each padded to a
-// multiple of the world size. Parameters become views into their bucket (their TensorImpl is kept, so
+// The model's trainable parameters are packed into flat buckets of one dtype, in reverse order of
+// registration (the order backward produces their gradients), each padded to a multiple of the world
+// size. Parameters become views into their bucket (their TensorImpl is kept, so
 // autograd, hooks and the checkpoint function see the same leaves), and so do their gradients, which
 // autograd accumulates into in place. Rank r owns elements [r S, (r + 1) S) of every bucket (S = padded
 // size / N):
@@ -58,9 +58,9 @@ class DataParallel {
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
 
-  // What the optimizer steps: one tensor per bucket, this rank's part of it (stage 0: the whole bucket;
-  // fp32 masters with master_weights), its .grad the reduced gradient of that part. Split by whether
-  // the bucket's parameters take weight decay (matrices and filters) or not.
+  // What the optimizer steps: per parameter, its elements in this rank's part of its bucket (stage 0: all
+  // of them; fp32 masters with master_weights), as views whose .grad is the reduced gradient. Split by
+  // whether the parameter takes weight decay (matrices and filters) or not.
   const std::vector<torch::Tensor>& decay_tensors() const { return decay_; }
   const std::vector<torch::Tensor>& no_decay_tensors() const { return no_decay_; }
   std::vector<torch::Tensor> stepped_tensors() const;  // both lists
@@ -83,6 +83,7 @@ class DataParallel {
   // A sum over ranks outside the step (evaluation, logged losses): its bytes are not the step's traffic.
   void group_all_reduce_sum(torch::Tensor& t);
   void group_all_gather(torch::Tensor& output, torch::Tensor& input);
+  void group_broadcast(torch::Tensor& t, int root);
   const ProcessGroup& group() const { return *group_; }
   int64_t num_buckets() const;
   // The index name -> (bucket, offset, shape), in bucket order: what a sharded, name-keyed checkpoint

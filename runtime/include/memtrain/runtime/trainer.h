@@ -89,6 +89,7 @@ class Trainer {
   Batch to_device(Batch batch) const;
   void move_grads_to_masters();  // device, and floating inputs in the parameters' dtype
   void resolve_budget_policy();
+  void sync_buffers();  // several ranks: floating buffers (BatchNorm statistics) from rank 0
   // Every rank's memory summary (rank 0 prints them in one table); collective when there are ranks.
   std::vector<MemoryTracker::Summary> gather_memory_summaries();
 
