@@ -113,6 +113,10 @@ class FashionMnistDataset : public Dataset {
     check_idx("t10k-labels-idx1-ubyte", 2049, 8 + 10000);
     torch::data::datasets::MNIST train(root, torch::data::datasets::MNIST::Mode::kTrain);
     torch::data::datasets::MNIST test(root, torch::data::datasets::MNIST::Mode::kTest);
+    // A label outside the 10 classes would pass the size and magic checks and surface mid-training as
+    // LibTorch's "Target 200 is out of bounds": name the file and the record now.
+    check_labels("train-labels-idx1-ubyte", train.targets());
+    check_labels("t10k-labels-idx1-ubyte", test.targets());
     auto images = normalize(train.images());
     const int64_t n = images.size(0);
     const auto n_val = static_cast<int64_t>(static_cast<double>(n) * val_fraction);
@@ -177,6 +181,15 @@ class FashionMnistDataset : public Dataset {
     const uint32_t got = (uint32_t{b[0]} << 24) | (uint32_t{b[1]} << 16) | (uint32_t{b[2]} << 8) | b[3];
     MEMTRAIN_CHECK(got == magic, DataError, "[data] '", path, "' starts with magic ", got, ", expected ", magic,
                    ": not an IDX file of this kind");
+  }
+
+  void check_labels(const std::string& name, const torch::Tensor& labels) const {
+    auto bad = ((labels < 0) | (labels > 9)).nonzero();
+    if (bad.numel() == 0) return;
+    const auto record = bad[0][0].item<int64_t>();
+    throw DataError(detail::concat("[data] '", (fs::path(root_) / name).string(), "': label ",
+                                   labels[record].item<int64_t>(), " at record ", record,
+                                   " is outside the 10 classes 0..9 (", bad.size(0), " such records): corrupt file"));
   }
 
   static torch::Tensor normalize(const torch::Tensor& x) {

@@ -393,7 +393,21 @@ void Trainer::fit() {
   const auto& t = config_.train;
   const bool main = world_.is_main();
   const bool bar = config_.log.progress == "bar" || (config_.log.progress == "auto" && isatty(STDOUT_FILENO));
-  fs::create_directories(run_dir_);
+  // Every folder the run will write is created and probed now: an unwritable checkpoint folder found
+  // after the last step would lose the whole run's work.
+  const auto ckpt_dir = config_.checkpoint.dir.empty() ? (fs::path(run_dir_) / "checkpoints").string() : config_.checkpoint.dir;
+  auto probe = [](const std::string& dir, const char* what) {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    const auto file = fs::path(dir) / (".memtrain-probe-" + std::to_string(::getpid()));
+    std::ofstream out(file);
+    MEMTRAIN_CHECK(!ec && out.good(), Error, "[io] ", what, " '", dir, "' is not writable",
+                   ec ? ": " + ec.message() : std::string(), "; nothing was trained");
+    out.close();
+    fs::remove(file, ec);
+  };
+  probe(run_dir_, "the run folder (log.dir / log.name)");
+  if (config_.checkpoint.save_final || config_.checkpoint.every > 0) probe(ckpt_dir, "checkpoint.dir");
   const auto peak = peak_flops(config_.log.peak_tflops, device_, precision_);
   if (main) {
     std::cout << config_.to_ini() << "\n";
@@ -417,7 +431,6 @@ void Trainer::fit() {
     tracker_->write_jsonl((fs::path(run_dir_) / ("memory.rank" + std::to_string(world_.rank) + ".jsonl")).string());
   std::ofstream metrics;  // rank 0 only
   if (main) metrics.open((fs::path(run_dir_) / "metrics.jsonl").string(), std::ios::trunc);
-  const auto ckpt_dir = config_.checkpoint.dir.empty() ? (fs::path(run_dir_) / "checkpoints").string() : config_.checkpoint.dir;
 
   const double samples_per_step = static_cast<double>(t.micro_batch * t.accum_steps * world_.world_size);
   const double tokens_per_step = samples_per_step * static_cast<double>(model_->tokens_per_sample());

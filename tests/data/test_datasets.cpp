@@ -99,3 +99,25 @@ TEST(FashionMnist, CorruptFileIsNamed) {
 
 }  // namespace
 }  // namespace memtrain
+
+namespace memtrain {
+namespace {
+
+TEST(FashionMnist, LabelOutOfRangeIsNamedWithItsRecord) {
+  test::TempDir dir;
+  namespace fs = std::filesystem;
+  const auto src = fs::path(default_data_dir()) / "fashion-mnist";
+  for (const auto& f : fs::directory_iterator(src)) fs::copy_file(f.path(), fs::path(dir.path()) / f.path().filename());
+  {  // record 17's label (the IDX header is 8 bytes) becomes 200
+    std::fstream f(dir.path("train-labels-idx1-ubyte"), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(8 + 17);
+    f.put(static_cast<char>(200));
+  }
+  auto msg = test::error_of([&] { make_fashion_mnist({.root = dir.path()}, {}); });
+  EXPECT_NE(msg.find("train-labels-idx1-ubyte': label 200 at record 17 is outside the 10 classes 0..9"),
+            std::string::npos)
+      << msg;
+}
+
+}  // namespace
+}  // namespace memtrain

@@ -258,3 +258,20 @@ TEST(Output, LogLineSaysPreClipAndOneRank) {
 
 }  // namespace
 }  // namespace memtrain
+
+namespace memtrain {
+namespace {
+
+TEST(Training, AnUnwritableCheckpointFolderIsAnErrorBeforeTheFirstStep) {
+  test::TempDir dir;
+  auto c = test::tiny_gpt_config();
+  c.log.name = "unwritable";
+  c.checkpoint.dir = dir.file("a-file", "not a folder") + "/checkpoints";  // under a regular file
+  Trainer t(c);
+  auto msg = test::error_of([&] { t.fit(); });
+  EXPECT_NE(msg.find("[io] checkpoint.dir '" + c.checkpoint.dir + "' is not writable"), std::string::npos) << msg;
+  EXPECT_EQ(t.current_step(), 0) << "training started before the output folders were checked";
+}
+
+}  // namespace
+}  // namespace memtrain
