@@ -4,6 +4,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -73,6 +77,23 @@ class TempDir {
   }
   std::filesystem::path path_;
 };
+
+// A binary of this build tree, e.g. binary("memtrain-run").
+inline std::string binary(const std::string& name) {
+  return (std::filesystem::path(MEMTRAIN_BINARY_DIR) / name).string();
+}
+
+// Runs a shell command and returns what it printed on stdout (add 2>&1 for stderr); its exit code goes
+// to *code. Multi-process tests start launchers this way.
+inline std::string shell(const std::string& command, int* code = nullptr) {
+  std::string out;
+  FILE* p = popen(command.c_str(), "r");
+  std::array<char, 4096> buf;
+  while (p && fgets(buf.data(), buf.size(), p)) out += buf.data();
+  const int status = p ? pclose(p) : -1;
+  if (code) *code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return out;
+}
 
 // max |a - b| / (max |b| + tiny): a scale-free distance for comparing gradients.
 inline double relative_error(const torch::Tensor& a, const torch::Tensor& b) {

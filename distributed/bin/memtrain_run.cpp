@@ -254,9 +254,9 @@ int main(int argc, char** argv) {
       return abandon("memtrain-run: fork");
     }
     if (c.pid == 0) {
-      // Its own process group: a Ctrl-C on the terminal reaches the launcher only, which forwards it
-      // once (a rank that gets a second signal exits at once instead of saving). Signals go to the whole
-      // group, so a wrapper command (sh -c, numactl) and the rank under it stop together.
+      // Its own process group: a Ctrl-C on the terminal reaches the launcher only, which forwards each
+      // signal once to each rank (so a second Ctrl-C is a rank's second signal, not its third). Signals go
+      // to the whole group, so a wrapper command (sh -c, numactl) and the rank under it stop together.
       setpgid(0, 0);
       prctl(PR_SET_PDEATHSIG, SIGTERM);  // the launcher died: do not train on unsupervised
       if (getppid() != launcher_pid) _exit(1);

@@ -3,9 +3,7 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
-#include <map>
 #include <sstream>
-#include <tuple>
 
 #include "memtrain/core/error.h"
 
@@ -179,7 +177,6 @@ void DataParallel::begin_step() {
 }
 
 void DataParallel::begin_micro_batch(bool last) {
-  last_micro_ = last;
   armed_ = options_.reduce_every_micro_batch || last;
   next_to_launch_ = 0;
   for (auto& b : buckets_) b->ready = 0;
@@ -268,22 +265,23 @@ int64_t DataParallel::take_bytes_communicated() {
   return step;
 }
 
-void DataParallel::group_all_reduce_sum(torch::Tensor& t) {
+template <class Collective>
+void DataParallel::outside_the_step(Collective&& collective) {
   const auto before = group_->bytes_communicated();
-  group_->all_reduce_sum(t);
+  collective(*group_);
   bytes_uncounted_ += group_->bytes_communicated() - before;
+}
+
+void DataParallel::group_all_reduce_sum(torch::Tensor& t) {
+  outside_the_step([&](ProcessGroup& g) { g.all_reduce_sum(t); });
 }
 
 void DataParallel::group_all_gather(torch::Tensor& output, torch::Tensor& input) {
-  const auto before = group_->bytes_communicated();
-  group_->all_gather_async(output, input).wait();
-  bytes_uncounted_ += group_->bytes_communicated() - before;
+  outside_the_step([&](ProcessGroup& g) { g.all_gather_async(output, input).wait(); });
 }
 
 void DataParallel::group_broadcast(torch::Tensor& t, int root) {
-  const auto before = group_->bytes_communicated();
-  group_->broadcast(t, root);
-  bytes_uncounted_ += group_->bytes_communicated() - before;
+  outside_the_step([&](ProcessGroup& g) { g.broadcast(t, root); });
 }
 
 void DataParallel::all_reduce_found_inf(torch::Tensor& found_inf) { group_->all_reduce_max(found_inf); }

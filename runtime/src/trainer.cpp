@@ -466,7 +466,7 @@ void Trainer::fit() {
       const double flops = samples_per_step * model_->train_flops_per_sample() * 1000 / ms;
       const double mfu = peak.first > 0 ? flops / (peak.first * world_.world_size) : 0;
       if (flops > 0) j["flops_per_s"] = flops;
-      if (flops > 0 && mfu > 0) j["mfu"] = mfu;
+      if (mfu > 0) j["mfu"] = mfu;
       if (scaler_) j["loss_scale"] = scaler_->current_scale(), j["skipped"] = !r.applied;
       if (dp_) j["comm_bytes"] = r.comm_bytes;  // this rank's, in the last step's collectives
       for (const auto& m : mem) j["peak_" + m.device] = m.peak_allocated;
@@ -478,7 +478,7 @@ void Trainer::fit() {
              << std::fixed << std::setprecision(3) << norm << " | " << std::setprecision(1) << ms << " ms/step | "
              << si(model_->tokens_per_sample() > 1 ? tokens_per_step * 1000 / ms : samples_per_step * 1000 / ms)
              << (model_->tokens_per_sample() > 1 ? " tok/s" : " samples/s");
-        if (flops > 0 && mfu > 0) line << " | MFU " << std::setprecision(1) << 100 * mfu << "%";
+        if (mfu > 0) line << " | MFU " << std::setprecision(1) << 100 * mfu << "%";
         for (const auto& m : mem)
           line << " | peak " << m.device << " " << format_bytes(m.peak_allocated) << " (" << phase_name(m.peak_phase)
                << ")";
@@ -498,8 +498,9 @@ void Trainer::fit() {
       if (main) std::cout << (bar ? "\n" : "") << "eval step " << step_ << ": val loss " << std::fixed
                           << std::setprecision(4) << e.loss << "\n" << std::flush;
     }
-    if (config_.checkpoint.every > 0 && step_ % config_.checkpoint.every == 0) sync_buffers();  // every rank
-    if (config_.checkpoint.every > 0 && step_ % config_.checkpoint.every == 0 && main) {
+    const bool save_now = config_.checkpoint.every > 0 && step_ % config_.checkpoint.every == 0;
+    if (save_now) sync_buffers();  // every rank: a collective
+    if (save_now && main) {
       fs::create_directories(ckpt_dir);
       save_weights((fs::path(ckpt_dir) / ("model.step" + std::to_string(step_) + ".safetensors")).string());
     }

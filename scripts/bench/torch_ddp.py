@@ -18,7 +18,7 @@ Prints one JSON line:
                    not counted), peak_rss (ru_maxrss: the whole process, Python and the torch import included),
                    rss_before_model (RSS after the process group is up, before the model exists)
 """
-import argparse, json, os, resource, socket, statistics, sys, time
+import argparse, json, os, resource, statistics, sys, time
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "reference"))
 from gpt_ref import GPT  # noqa: E402
+from ddp_ref import free_port  # noqa: E402
 
 
 def rss_bytes():
@@ -97,12 +98,6 @@ def worker(rank, a, port, results):
                      rss_before_model=rss_before_model))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main():

@@ -4,8 +4,6 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
-#include <array>
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -18,24 +16,12 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string bin(const std::string& name) { return (fs::path(MEMTRAIN_BINARY_DIR) / name).string(); }
 
 // A number field of a one-line JSON object ("key":value).
 double field(const std::string& json, const std::string& key) {
   std::smatch m;
   if (!std::regex_search(json, m, std::regex("\"" + key + "\":(-?[0-9.eE+-]+)"))) return std::nan("");
   return std::stod(m[1]);
-}
-
-// Runs a shell script; returns what it printed on stdout, and its exit code in *code.
-std::string shell(const std::string& script, int* code = nullptr) {
-  std::string out;
-  FILE* p = popen(script.c_str(), "r");
-  std::array<char, 4096> buf;
-  while (p && fgets(buf.data(), buf.size(), p)) out += buf.data();
-  const int status = p ? pclose(p) : -1;
-  if (code) *code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return out;
 }
 
 struct Run {
@@ -57,13 +43,13 @@ Run train(int ranks, int64_t global_batch, const std::vector<std::string>& extra
                      " --train.micro_batch=" + std::to_string(global_batch / ranks) +
                      " --log.dir=" + dir.string() + " --log.name=" + name;
   for (const auto& e : extra) args += " " + e;
-  std::string command = bin("memtrain") + args;
+  std::string command = test::binary("memtrain") + args;
   if (ranks > 1)
-    command = (launcher.empty() ? bin("memtrain-run") + " --standalone --nproc-per-node " + std::to_string(ranks) + " --"
+    command = (launcher.empty() ? test::binary("memtrain-run") + " --standalone --nproc-per-node " + std::to_string(ranks) + " --"
                                 : launcher + " --nproc-per-node " + std::to_string(ranks)) +
               " " + command;
   Run r;
-  r.output = shell(command + " 2>&1", &r.code);
+  r.output = test::shell(command + " 2>&1", &r.code);
   std::ifstream metrics(dir / name / "metrics.jsonl");
   for (std::string line; std::getline(metrics, line);)
     if (line.find("\"loss\"") != std::string::npos) r.losses.push_back(field(line, "loss"));
@@ -207,23 +193,24 @@ TEST(DataParallel, TwoLaunchersAsTwoNodesTrainAsOneJob) {
   // Node 0 and node 1 on the loopback address, two ranks each: one world of 4, the same losses as one
   // process with the same global batch.
   const auto one = train(1, 8, {});
-  const std::string nodes = bin("memtrain-run") + " --nnodes 2 --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29751";
+  const std::string nodes = test::binary("memtrain-run") + " --nnodes 2 --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29751";
   // train() starts "<launcher> --nproc-per-node 4 <memtrain ...>": a shell function splits it into the two nodes.
-  const std::string launcher = "sh -c 'shift 2; (" + nodes + " --node-rank 1 -- \"$@\" > /dev/null 2>&1 &); " + nodes +
-                               " --node-rank 0 -- \"$@\"' sh";
+  // Node 1 in the background; whatever node 0 does, node 1 is stopped and waited for before the run ends.
+  const std::string launcher = "sh -c 'shift 2; " + nodes + " --node-rank 1 -- \"$@\" > /dev/null 2>&1 & N1=$!; " + nodes +
+                               " --node-rank 0 -- \"$@\"; c=$?; kill $N1 2>/dev/null; wait $N1; exit $c' sh";
   expect_same_training(one, train(4, 8, {"--dist.zero_stage=2"}, launcher), 1e-5, 1e-4);
 }
 
 TEST(DataParallel, SigtermToTheLauncherReachesEveryRank) {
   const auto dir = fs::temp_directory_path() / ("memtrain-dp-term-" + std::to_string(::getpid()));
-  const std::string script = bin("memtrain-run") + " --standalone --nproc-per-node 2 -- " + bin("memtrain") +
+  const std::string script = test::binary("memtrain-run") + " --standalone --nproc-per-node 2 -- " + test::binary("memtrain") +
                              " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
                              " --model.n_layer=2 --model.n_embd=32 --model.n_head=2 --model.block_size=32"
                              " --train.steps=100000 --log.progress=lines --log.dir=" + dir.string() +
                              " > /dev/null 2>&1 & L=$!; sleep 6; kids=$(pgrep -P $L); kill -TERM $L; wait $L; "
                              "echo \"exit=$?\"; sleep 1; left=none-left; for k in $kids; do kill -0 $k 2>/dev/null && "
                              "left=LEFT; done; echo $left; echo \"kids=$kids\"";
-  const auto out = shell(script);
+  const auto out = test::shell(script);
   fs::remove_all(dir);
   // The ranks have no SIGTERM handler yet (saving on a signal is the resume issue's): they end by the
   // signal, and the launcher reports it.
@@ -236,7 +223,7 @@ TEST(DataParallel, AKilledRankEndsTheJobNamingItWithNoProcessLeft) {
   // A long run; after 8 s one rank is killed with SIGKILL. The launcher must stop the other within its
   // grace period, name the rank, and exit with 128 + 9.
   const auto dir = fs::temp_directory_path() / ("memtrain-dp-kill-" + std::to_string(::getpid()));
-  const std::string run = bin("memtrain-run") + " --standalone --nproc-per-node 2 --grace-s 5 -- " + bin("memtrain") +
+  const std::string run = test::binary("memtrain-run") + " --standalone --nproc-per-node 2 --grace-s 5 -- " + test::binary("memtrain") +
                           " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
                           " --model.n_layer=2 --model.n_embd=32 --model.n_head=2 --model.block_size=32"
                           " --train.steps=100000 --log.progress=lines --log.dir=" + dir.string();
@@ -244,7 +231,7 @@ TEST(DataParallel, AKilledRankEndsTheJobNamingItWithNoProcessLeft) {
                              "kids=$(pgrep -P $L); victim=$(echo \"$kids\" | tail -1); kill -9 $victim; wait $L; "
                              "echo \"exit=$?\"; sleep 1; left=none-left; for k in $kids; do kill -0 $k 2>/dev/null && "
                              "left=LEFT; done; echo $left; cat " + dir.string() + ".log";
-  const auto out = shell(script);
+  const auto out = test::shell(script);
   fs::remove_all(dir);
   fs::remove(dir.string() + ".log");
   EXPECT_NE(out.find("exit=137"), std::string::npos) << out;

@@ -4,9 +4,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
-#include <array>
 #include <chrono>
-#include <cstdio>
 #include <filesystem>
 #include <regex>
 
@@ -21,22 +19,17 @@ struct Run {
   double seconds = 0;
 };
 
-// Runs a shell command, capturing stdout and stderr together.
+// Runs a shell command, capturing stdout and stderr together, and times it.
 Run run(const std::string& command) {
   Run r;
   auto start = std::chrono::steady_clock::now();
-  FILE* p = popen((command + " 2>&1").c_str(), "r");
-  std::array<char, 4096> buf;
-  while (p && fgets(buf.data(), buf.size(), p)) r.output += buf.data();
-  int status = p ? pclose(p) : -1;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.output = test::shell(command + " 2>&1", &r.code);
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return r;
 }
 
-std::string bin(const std::string& name) { return (std::filesystem::path(MEMTRAIN_BINARY_DIR) / name).string(); }
-std::string probe() { return bin("tests/memtrain_collectives_probe"); }
-std::string launcher() { return bin("memtrain-run"); }
+std::string probe() { return test::binary("tests/memtrain_collectives_probe"); }
+std::string launcher() { return test::binary("memtrain-run"); }
 
 TEST(Launcher, TwoAndFourRanksGetExactCollectives) {
   for (int n : {2, 4}) {
@@ -53,8 +46,10 @@ TEST(Launcher, TwoAndFourRanksGetExactCollectives) {
 TEST(Launcher, TwoNodesOnLoopbackFormOneJob) {
   // Two launchers, node 0 and node 1, two ranks each: one world of 4 through the loopback address.
   const std::string common = " --nnodes 2 --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29731 -- " + probe();
-  auto r = run("( " + launcher() + " --node-rank 1" + common + " > /tmp/memtrain-node1.log 2>&1 & ) ; " + launcher() +
-               " --node-rank 0" + common + "; sleep 1; cat /tmp/memtrain-node1.log");
+  // Node 1 in the background; whatever node 0 does, node 1 is stopped and waited for before the test ends.
+  auto r = run(launcher() + " --node-rank 1" + common + " > /tmp/memtrain-node1.log 2>&1 & N1=$!; " + launcher() +
+               " --node-rank 0" + common + "; c=$?; sleep 1; kill $N1 2>/dev/null; wait $N1; cat /tmp/memtrain-node1.log; "
+               "exit $c");
   EXPECT_EQ(r.code, 0) << r.output;
   for (int rank = 0; rank < 4; ++rank)
     EXPECT_NE(r.output.find("collectives ok: rank " + std::to_string(rank) + " of 4"), std::string::npos) << r.output;

@@ -101,6 +101,9 @@ class DataParallel {
   void launch(Bucket& b);
   void finish(Bucket& b);
   void allocate_gradients(Bucket& b);
+  // Runs a collective whose bytes are not the step's traffic (evaluation, logged losses, buffers).
+  template <class Collective>
+  void outside_the_step(Collective&& collective);
 
   std::shared_ptr<ProcessGroup> group_;
   DataParallelOptions options_;
@@ -109,7 +112,6 @@ class DataParallel {
   std::vector<ParamSlot> index_;
   size_t next_to_launch_ = 0;
   bool armed_ = false;
-  bool last_micro_ = true;
   int64_t bytes_taken_ = 0;      // ProcessGroup::bytes_communicated() at the last take
   int64_t bytes_uncounted_ = 0;  // of which outside the step (broadcast at start, evaluation, losses)
 };
