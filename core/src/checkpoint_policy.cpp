@@ -4,6 +4,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "memtrain/core/config.h"
 #include "memtrain/core/error.h"
 
 namespace memtrain {
@@ -22,10 +23,9 @@ CheckpointPolicy CheckpointPolicy::parse(const std::string& text) {
     p.part = text;
   } else if (text.rfind("every:", 0) == 0) {
     p.mode = Mode::kEvery;
-    const auto digits = text.substr(6);
-    if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) throw bad();
-    p.every = std::stoll(digits);
-    if (p.every < 1) throw bad();
+    const auto every = detail::parse_count(text.substr(6));
+    if (!every) throw bad();
+    p.every = *every;
   } else if (text.rfind("budget:", 0) == 0) {
     p.mode = Mode::kBudget;
     try {

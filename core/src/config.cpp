@@ -516,11 +516,17 @@ std::string Config::reference_markdown() {
 int64_t parse_head_rows(const std::string& mode) {
   if (mode == "plain") return -1;
   if (mode == "fused") return 0;
-  const auto digits = mode.rfind("fused:", 0) == 0 ? mode.substr(6) : std::string();
-  const bool whole = !digits.empty() && digits.size() <= 9 && digits.find_first_not_of("0123456789") == std::string::npos;
-  MEMTRAIN_CHECK(whole && std::stoll(digits) >= 1, ConfigError, "[config] memory.head = '", mode,
+  const auto rows = mode.rfind("fused:", 0) == 0 ? detail::parse_count(mode.substr(6)) : std::nullopt;
+  MEMTRAIN_CHECK(rows.has_value(), ConfigError, "[config] memory.head = '", mode,
                  "' is not allowed; expected plain | fused | fused:ROWS (rows per chunk, >= 1)");
-  return std::stoll(digits);
+  return *rows;
+}
+
+std::optional<int64_t> detail::parse_count(const std::string& digits) {
+  if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos)
+    return std::nullopt;
+  const auto n = std::stoll(digits);
+  return n >= 1 ? std::optional<int64_t>(n) : std::nullopt;
 }
 
 }  // namespace memtrain

@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -151,5 +152,10 @@ struct Config {
 // The grammar of memory.head: plain -> -1 (no fusion), fused -> 0 (automatic chunks), fused:ROWS -> ROWS.
 // Throws ConfigError naming the value otherwise. Config::validate and the trainer both read it here.
 int64_t parse_head_rows(const std::string& mode);
+
+namespace detail {
+// "K" of the grammars every:K and fused:ROWS: a whole number >= 1 of at most 9 digits; nullopt otherwise.
+std::optional<int64_t> parse_count(const std::string& digits);
+}  // namespace detail
 
 }  // namespace memtrain
