@@ -107,10 +107,20 @@ std::vector<Entry> entries(Config& c) {
       entry("train.eval_every", &t.eval_every, "evaluate every N steps; 0 = at the end only"),
       entry("train.eval_batches", &t.eval_batches, "validation batches per evaluation"),
       entry("train.threads", &t.threads, "intra-op CPU threads; 0 = LibTorch default"),
+      entry("train.oom", &t.oom,
+            choices::join(choices::oom) + " (out of memory in a step: retry it with half the micro-batch and twice the "
+            "accumulation, the same samples; or stop, naming the peak and the limit)"),
+      entry("train.on_nonfinite", &t.on_nonfinite,
+            choices::join(choices::on_nonfinite) + " (a non-finite loss or gradient norm without fp16: skip the update, "
+            "or stop the run; fp16's loss scaler skips such steps itself)"),
+      entry("train.max_nonfinite", &t.max_nonfinite, "consecutive skipped non-finite steps before the run stops"),
       entry("memory.track", &mem.track, "record per-step peak memory"),
       entry("memory.recompute", &mem.recompute, "activation recomputation (checkpointing): none | all | every:K | attn | mlp | budget:MiB"),
       entry("memory.offload", &mem.offload, "keep recomputed blocks' inputs in pinned CPU memory (CUDA)"),
       entry("memory.head", &mem.head, "plain | fused | fused:ROWS (LM head + loss in chunks of ROWS tokens; the logits never exist whole)"),
+      entry("memory.limit_mib", &mem.limit_mib,
+            "this process's memory limit in MiB (CPU: enforced by the counting allocator; CUDA: the caching "
+            "allocator's fraction of the device); 0 = none"),
       entry("dist.backend", &dist.backend, choices::join(choices::backend)),
       entry("dist.timeout_s", &dist.timeout_s, "rendezvous and collective timeout in seconds"),
       entry("dist.zero_stage", &dist.zero_stage,
@@ -128,9 +138,19 @@ std::vector<Entry> entries(Config& c) {
       entry("log.peak_tflops", &l.peak_tflops,
             "the device's peak TFLOP/s for MFU; 0 = from memtrain's table of known GPUs by name and precision "
             "(on CPU: MFU is not reported unless this is set)"),
-      entry("checkpoint.dir", &ck.dir, "where weights are saved; empty = <run>/checkpoints"),
-      entry("checkpoint.every", &ck.every, "save weights every N steps; 0 = only at the end"),
-      entry("checkpoint.save_final", &ck.save_final, "save weights when training ends"),
+      entry("log.overwrite", &l.overwrite,
+            "start over in a run folder that already holds a run (its metrics are truncated and its checkpoints "
+            "deleted); false: such a folder is an error unless checkpoint.resume is set"),
+      entry("checkpoint.dir", &ck.dir, "where checkpoints are saved; empty = <run>/checkpoints"),
+      entry("checkpoint.every", &ck.every,
+            "save the whole training state (step-00000N/: weights, optimizer, scaler, step) every N steps; 0 = only "
+            "at the end"),
+      entry("checkpoint.save_final", &ck.save_final,
+            "when training ends: save the training state and the weights alone (model.safetensors)"),
+      entry("checkpoint.keep", &ck.keep, "training-state checkpoints kept: the newest K"),
+      entry("checkpoint.resume", &ck.resume,
+            "empty: start fresh | auto: continue from the newest complete checkpoint in checkpoint.dir (none: start "
+            "fresh and say so) | a checkpoint folder"),
   };
 }
 
@@ -441,6 +461,11 @@ void Config::validate() const {
   check_one_of("log.progress", log.progress, choices::progress);
   check_range("log.peak_tflops", log.peak_tflops, log.peak_tflops >= 0, ">= 0 (0 = from the table of known GPUs)");
   check_range("checkpoint.every", checkpoint.every, checkpoint.every >= 0, ">= 0");
+  check_range("checkpoint.keep", checkpoint.keep, checkpoint.keep >= 1, ">= 1");
+  check_one_of("train.oom", train.oom, choices::oom);
+  check_one_of("train.on_nonfinite", train.on_nonfinite, choices::on_nonfinite);
+  check_range("train.max_nonfinite", train.max_nonfinite, train.max_nonfinite >= 1, ">= 1");
+  check_range("memory.limit_mib", memory.limit_mib, memory.limit_mib >= 0, ">= 0 (0 = no limit)");
 }
 
 std::string Config::to_ini() const {

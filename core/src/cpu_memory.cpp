@@ -1,5 +1,6 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/Exception.h>
 
 #include <malloc.h>
 
@@ -25,6 +26,7 @@ std::atomic<int64_t> g_current{0};
 std::atomic<int64_t> g_peak{0};
 std::atomic<int64_t> g_allocations{0};
 std::atomic<bool> g_installed{false};
+std::atomic<int64_t> g_limit{0};  // 0: none
 
 void count_free(void* data) {
   if (data == nullptr) return;
@@ -45,6 +47,12 @@ class CountingCpuAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
     if (nbytes == 0) return {nullptr, nullptr, &count_free, c10::Device(c10::kCPU)};
+    const auto limit = g_limit.load(std::memory_order_relaxed);
+    const auto in_use = g_current.load(std::memory_order_relaxed);
+    // The same exception type as the CUDA caching allocator's, so one handler serves both devices.
+    TORCH_CHECK_WITH(OutOfMemoryError, limit == 0 || in_use + static_cast<int64_t>(nbytes) <= limit,
+                     "CPU out of memory: tried to allocate ", nbytes, " bytes with ", in_use,
+                     " in use; the limit (memory.limit_mib) is ", limit, " bytes");
     void* data = c10::alloc_cpu(nbytes);
     {
       std::lock_guard<std::mutex> lock(g_mutex);
@@ -83,6 +91,8 @@ bool installed() { return g_installed.load(); }
 int64_t current() { return g_current.load(std::memory_order_relaxed); }
 int64_t peak() { return g_peak.load(std::memory_order_relaxed); }
 void reset_peak() { g_peak.store(g_current.load(std::memory_order_relaxed), std::memory_order_relaxed); }
+void set_limit(int64_t bytes) { g_limit.store(bytes < 0 ? 0 : bytes, std::memory_order_relaxed); }
+int64_t limit() { return g_limit.load(std::memory_order_relaxed); }
 int64_t allocations() { return g_allocations.load(std::memory_order_relaxed); }
 
 }  // namespace memtrain::cpu_memory

@@ -92,9 +92,9 @@ MemoryTracker::MemoryTracker(MemoryTrackerOptions options) : options_(std::move(
   marks_.resize(options_.devices.size());
 }
 
-void MemoryTracker::write_jsonl(const std::string& path) {
+void MemoryTracker::write_jsonl(const std::string& path, bool append) {
   if (jsonl_.is_open()) jsonl_.close();
-  jsonl_.open(path, std::ios::out | std::ios::trunc);
+  jsonl_.open(path, std::ios::out | (append ? std::ios::app : std::ios::trunc));
   MEMTRAIN_CHECK(jsonl_.good(), Error, "[memory] cannot write ", path);
   options_.jsonl_path = path;
 }

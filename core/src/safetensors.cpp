@@ -31,6 +31,12 @@ std::string crc_of(const std::string& bytes) {
 
 }  // namespace
 
+std::string safetensors_dtype(c10::ScalarType type) {
+  for (const auto& [name, t] : dtypes())
+    if (t == type) return name;
+  return "";
+}
+
 void write_file_atomically(const std::string& path, const std::string& bytes) {
   const auto tmp = path + ".tmp";
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -122,9 +128,7 @@ void save_safetensors(const std::string& path, const std::map<std::string, torch
   std::string data;
   for (const auto& [name, tensor] : tensors) {
     auto t = tensor.detach().to(torch::kCPU).contiguous();
-    std::string dtype;
-    for (const auto& [k, v] : dtypes())
-      if (v == t.scalar_type()) dtype = k;
+    const auto dtype = safetensors_dtype(t.scalar_type());
     MEMTRAIN_CHECK(!dtype.empty(), Error, "[safetensors] cannot save dtype ", t.scalar_type(), " of '", name, "'");
     const auto begin = data.size();
     data.append(static_cast<const char*>(t.data_ptr()), t.numel() * t.element_size());

@@ -108,6 +108,7 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
       auto seg_grad = b.reduced.narrow(0, from - lo, to - from);
       seg.mutable_grad() = seg_grad;
       b.segments.emplace_back(seg, seg_grad);
+      segments_.push_back({member_names[k][i], from - b.offsets[i], to - b.offsets[i], seg});
       (b.params[i].dim() >= 2 ? decay_ : no_decay_).push_back(seg);
     }
   }

@@ -65,43 +65,111 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
     torch::AutoGradMode enable_grad(true);
     loss = closure();
   }
+  // 1. Missing state first, for every group: an allocation that fails leaves nothing updated.
+  struct Call {
+    const torch::optim::AdamWOptions* options;
+    std::vector<torch::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
+  };
+  std::vector<Call> calls;
   for (auto& group : param_groups_) {
-    const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
     // One fused call per (device, dtype): the kernel takes lists of same-device, same-dtype tensors.
-    std::map<std::string, std::vector<size_t>> buckets;
-    for (size_t i = 0; i < group.params().size(); ++i) {
-      const auto& p = group.params()[i];
+    std::map<std::string, size_t> by_kind;
+    for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
-      buckets[p.device().str() + "/" + std::string(c10::toString(p.scalar_type()))].push_back(i);
-    }
-    for (const auto& [key, idx] : buckets) {
-      std::vector<torch::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
-      for (auto i : idx) {
-        auto& p = group.params()[i];
-        auto state_key = p.unsafeGetTensorImpl();
-        auto it = state_.find(state_key);
-        if (it == state_.end()) {
-          auto s = std::make_unique<torch::optim::AdamWParamState>();
-          s->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
-          s->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
-          it = state_.emplace(state_key, std::move(s)).first;
-          steps_[state_key] = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat).device(p.device()));
-        }
-        auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
-        s.step(s.step() + 1);
-        params.push_back(p);
-        grads.push_back(p.grad());
-        exp_avgs.push_back(s.exp_avg());
-        exp_avg_sqs.push_back(s.exp_avg_sq());
-        steps.push_back(steps_[state_key]);
+      auto state_key = p.unsafeGetTensorImpl();
+      auto it = state_.find(state_key);
+      if (it == state_.end()) {
+        auto s = std::make_unique<torch::optim::AdamWParamState>();
+        s->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+        s->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+        auto count = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat).device(p.device()));
+        it = state_.emplace(state_key, std::move(s)).first;
+        steps_[state_key] = count;
       }
-      torch::_foreach_add_(steps, 1);  // the kernel expects the count of this step, as torch.optim does
-      const auto& [beta1, beta2] = o.betas();
-      at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, o.lr(), beta1, beta2,
-                        o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false);
+      const auto kind = p.device().str() + "/" + std::string(c10::toString(p.scalar_type()));
+      auto [slot, added] = by_kind.emplace(kind, calls.size());
+      if (added) calls.push_back({&static_cast<const torch::optim::AdamWOptions&>(group.options()), {}, {}, {}, {}, {}});
+      auto& c = calls[slot->second];
+      auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
+      c.params.push_back(p);
+      c.grads.push_back(p.grad());
+      c.exp_avgs.push_back(s.exp_avg());
+      c.exp_avg_sqs.push_back(s.exp_avg_sq());
+      c.steps.push_back(steps_[state_key]);
     }
   }
+  // 2. The update.
+  for (auto& c : calls) {
+    for (auto& p : c.params) {
+      auto& s = static_cast<torch::optim::AdamWParamState&>(*state_.at(p.unsafeGetTensorImpl()));
+      s.step(s.step() + 1);
+    }
+    torch::_foreach_add_(c.steps, 1);  // the kernel expects the count of this step, as torch.optim does
+    const auto& o = *c.options;
+    const auto& [beta1, beta2] = o.betas();
+    at::_fused_adamw_(c.params, c.grads, c.exp_avgs, c.exp_avg_sqs, /*max_exp_avg_sqs=*/{}, c.steps, o.lr(), beta1,
+                      beta2, o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false);
+  }
   return loss;
+}
+
+torch::Tensor FusedAdamW::step_count(const torch::Tensor& param) const {
+  auto it = steps_.find(param.unsafeGetTensorImpl());
+  return it == steps_.end() ? torch::Tensor() : it->second;
+}
+
+void FusedAdamW::set_step_count(const torch::Tensor& param, double count) {
+  steps_[param.unsafeGetTensorImpl()] =
+      torch::full({}, count, torch::TensorOptions().dtype(torch::kFloat).device(param.device()));
+}
+
+std::vector<std::string> param_state_fields(const torch::optim::Optimizer& optimizer) {
+  if (dynamic_cast<const torch::optim::SGD*>(&optimizer)) return {"momentum_buffer"};
+  return {"exp_avg", "exp_avg_sq", "step"};
+}
+
+std::map<std::string, torch::Tensor> get_param_state(const torch::optim::Optimizer& optimizer, const torch::Tensor& param) {
+  std::map<std::string, torch::Tensor> out;
+  auto it = optimizer.state().find(param.unsafeGetTensorImpl());
+  if (it == optimizer.state().end()) return out;
+  if (auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(it->second.get())) {
+    out["exp_avg"] = s->exp_avg();
+    out["exp_avg_sq"] = s->exp_avg_sq();
+    out["step"] = torch::tensor(s->step(), torch::kLong);
+  } else if (auto* m = dynamic_cast<const torch::optim::SGDParamState*>(it->second.get())) {
+    if (m->momentum_buffer().defined()) out["momentum_buffer"] = m->momentum_buffer();
+  }
+  return out;
+}
+
+void set_param_state(torch::optim::Optimizer& optimizer, const torch::Tensor& param,
+                     const std::map<std::string, torch::Tensor>& state) {
+  auto field = [&](const std::string& name) {
+    auto it = state.find(name);
+    MEMTRAIN_CHECK(it != state.end(), Error, "[optim] no '", name, "' in the state given for a parameter of shape ",
+                   param.sizes());
+    return it->second;
+  };
+  auto like_param = [&](const std::string& name) {
+    auto t = field(name);
+    MEMTRAIN_CHECK(t.numel() == param.numel(), Error, "[optim] state '", name, "' has ", t.numel(),
+                   " elements, the parameter ", param.numel());
+    return t.reshape(param.sizes()).to(param.device(), param.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+  };
+  void* key = param.unsafeGetTensorImpl();
+  if (dynamic_cast<torch::optim::SGD*>(&optimizer)) {
+    auto s = std::make_unique<torch::optim::SGDParamState>();
+    s->momentum_buffer(like_param("momentum_buffer"));
+    optimizer.state()[key] = std::move(s);
+    return;
+  }
+  auto s = std::make_unique<torch::optim::AdamWParamState>();
+  s->exp_avg(like_param("exp_avg"));
+  s->exp_avg_sq(like_param("exp_avg_sq"));
+  const auto count = field("step").to(torch::kLong).item<int64_t>();
+  s->step(count);
+  optimizer.state()[key] = std::move(s);
+  if (auto* fused = dynamic_cast<FusedAdamW*>(&optimizer)) fused->set_step_count(param, static_cast<double>(count));
 }
 
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {

@@ -6,6 +6,8 @@
 //   memtrain --print-config-reference    the Markdown page docs/config-reference.md
 //
 // Launched once per device, torchrun-style (RANK, WORLD_SIZE, LOCAL_RANK, ... from the environment).
+#include <signal.h>
+
 #include <iostream>
 #include <string>
 #include <vector>
@@ -27,6 +29,9 @@ int main(int argc, char** argv) {
   // Before any tensor exists: every CPU allocation from here on is counted.
   memtrain::cpu_memory::install();
   memtrain::cpu_memory::keep_freed_memory();
+  // A file-size limit (RLIMIT_FSIZE) or a full quota makes a write fail with EFBIG: an error that names
+  // the file and keeps the last checkpoint, not a signal that kills the run part way through a save.
+  signal(SIGXFSZ, SIG_IGN);
   std::string config_path;
   std::vector<std::string> overrides;
   bool print_only = false;

@@ -142,6 +142,20 @@ void GradScaler::update() {
   stepped_ = false;
 }
 
+void GradScaler::discard_step() {
+  unscaled_ = false;
+  stepped_ = false;
+  found_inf_.zero_();
+}
+
+void GradScaler::load_state(const torch::Tensor& scale, const torch::Tensor& growth_tracker) {
+  MEMTRAIN_CHECK(scale.numel() == 1 && growth_tracker.numel() == 1, Error,
+                 "[precision] loss-scaler state must be two scalars, got ", scale.sizes(), " and ", growth_tracker.sizes());
+  scale_.copy_(scale.reshape({}));
+  growth_tracker_.copy_(growth_tracker.reshape({}));
+  discard_step();
+}
+
 double GradScaler::current_scale() const { return options_.enabled ? scale_.item<double>() : 1.0; }
 
 }  // namespace memtrain

@@ -1,8 +1,10 @@
 #include "memtrain/runtime/trainer.h"
 
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <torch/cuda.h>
 #include <torch/nn/modules/batchnorm.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -18,6 +20,7 @@
 #include "memtrain/core/error.h"
 #include "memtrain/runtime/fused_loss.h"
 #include "memtrain/core/cpu_memory.h"
+#include "stop_signals.h"
 
 namespace memtrain {
 
@@ -105,6 +108,7 @@ void Trainer::setup() {
     const auto& p = item.value();
     if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) params_.push_back(p), names.push_back(item.key());
   }
+  param_names_ = names;
   if (t.param_dtype == "bf16") {
     // bf16 parameters and gradients in the model; the optimizer steps fp32 master copies, which are
     // copied back after each step (the bf16 rounding of an update never accumulates).
@@ -207,6 +211,21 @@ void Trainer::setup() {
   auto name = config_.log.name;
   if (name.empty()) name = config_.source.empty() ? "run" : fs::path(config_.source).stem().string();
   run_dir_ = (fs::path(config_.log.dir) / name).string();
+  ckpt_dir_ = config_.checkpoint.dir.empty() ? (fs::path(run_dir_) / "checkpoints").string() : config_.checkpoint.dir;
+
+  // memory.limit_mib: on CPU the counting allocator refuses allocations past it (process-wide; 0 lifts
+  // it); on CUDA the caching allocator gets the matching fraction of the device.
+  const int64_t limit = config_.memory.limit_mib * 1024 * 1024;
+  if (device_.is_cuda()) {
+    if (limit > 0) {
+      const double total = static_cast<double>(at::cuda::getDeviceProperties(device_.index())->totalGlobalMem);
+      c10::cuda::CUDACachingAllocator::setMemoryFraction(std::min(1.0, static_cast<double>(limit) / total), device_.index());
+    }
+  } else {
+    MEMTRAIN_CHECK(limit == 0 || cpu_memory::installed(), Error,
+                   "[memory] memory.limit_mib on CPU needs memtrain::cpu_memory::install() at the start of main()");
+    cpu_memory::set_limit(limit);
+  }
 }
 
 torch::Tensor Trainer::forward_loss(const Batch& batch) {
@@ -253,12 +272,51 @@ void Trainer::resolve_budget_policy() {
 }
 
 StepResult Trainer::step() {
+  for (;;) {
+    try {
+      return attempt_step();
+    } catch (const c10::OutOfMemoryError& e) {
+      recover_from_oom(e.what_without_backtrace());
+    }
+  }
+}
+
+void Trainer::recover_from_oom(const std::string& what) {
+  // Nothing of the abandoned step survives: its gradients and the scaler's per-step state. The optimizer
+  // did not run (FusedAdamW allocates its state before it updates anything).
+  optimizer_->zero_grad(/*set_to_none=*/true);
+  model_->zero_grad(/*set_to_none=*/true);
+  if (scaler_) scaler_->discard_step();
+  const auto measured = device_.is_cuda() || cpu_memory::installed() ? read_counters(device_) : DeviceCounters{};
+  if (device_.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+  const auto& t = config_.train;
+  const int64_t next = split_ * 2;
+  const auto first_line = what.substr(0, what.find('\n'));
+  std::ostringstream facts;
+  facts << "out of memory in step " << step_ + 1 << " (" << first_line << "); peak this step "
+        << format_bytes(measured.peak_allocated) << ", memory.limit_mib = " << config_.memory.limit_mib
+        << (config_.memory.limit_mib == 0 ? " (none: the device is full)" : "");
+  std::string why_not;
+  if (t.oom != "retry") why_not = "train.oom = fail";
+  else if (dp_) why_not = "with several ranks an out-of-memory step is not retried (the other ranks are inside its collectives)";
+  else if (t.micro_batch < next) why_not = "the micro-batch cannot be halved again (" + std::to_string(t.micro_batch) + " samples in " + std::to_string(split_) + " pieces)";
+  MEMTRAIN_CHECK(why_not.empty(), Error, "[memory] ", facts.str(), "; stopping: ", why_not,
+                 ". Lower train.micro_batch, recompute more (memory.recompute) or raise the limit");
+  split_ = next;
+  if (world_.is_main())
+    std::cerr << "memtrain: " << facts.str() << ": retrying it with micro-batches of " << (t.micro_batch + split_ - 1) / split_
+              << " x " << t.accum_steps * split_ << " (the same " << t.micro_batch * t.accum_steps << " samples)\n"
+              << std::flush;
+}
+
+StepResult Trainer::attempt_step() {
   const auto& t = config_.train;
   if (policy_.budget_unresolved()) resolve_budget_policy();
   StepResult r;
   r.step = step_;
   r.lr = schedule_->at(step_);
   set_learning_rate(*optimizer_, r.lr);
+  if (scaler_) scaler_->discard_step();  // nothing left of an abandoned attempt
   if (dp_) {
     dp_->begin_step();  // zeroes the flat gradient buckets in place: parameters' gradients are views into them
   } else {
@@ -272,20 +330,28 @@ StepResult Trainer::step() {
   torch::manual_seed(static_cast<uint64_t>(t.seed) * 1000003u + static_cast<uint64_t>(step_) +
                      static_cast<uint64_t>(world_.rank) * 0x9E3779B97F4A7C15ull);
 
-  // 1. Micro-batches: forward under autocast, loss scaled to the mean over the step, backward.
+  // 1. Micro-batches: forward under autocast, loss scaled to the mean over the step, backward. After an
+  //    out-of-memory retry each micro-batch runs in split_ pieces, weighted by their share of it.
   auto loss_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat).device(device_));
   for (int64_t micro = 0; micro < t.accum_steps; ++micro) {
-    auto batch = to_device(data_->train_batch(step_, micro, t.micro_batch));
-    auto loss = forward_loss(batch) / static_cast<double>(t.accum_steps);
-    tracker_->end_phase(Phase::kForward);
-    // 2. Several ranks: buckets are reduced as they fill during this backward (every micro-batch, or the
-    //    last only with dist.reduce = step); end_micro_batch waits for them.
-    if (dp_) dp_->begin_micro_batch(/*last=*/micro + 1 == t.accum_steps);
-    (scaler_ ? scaler_->scale(loss) : loss).backward();
-    if (dp_) dp_->end_micro_batch();
-    move_grads_to_masters();  // bf16 parameters: accumulate in fp32, not across micro-batches in bf16
-    tracker_->end_phase(Phase::kBackward);
-    loss_sum += loss.detach();
+    auto whole = data_->train_batch(step_, micro, t.micro_batch);
+    const auto inputs = split_ == 1 ? std::vector<torch::Tensor>{whole.input} : whole.input.tensor_split(split_);
+    const auto targets = split_ == 1 ? std::vector<torch::Tensor>{whole.target} : whole.target.tensor_split(split_);
+    for (size_t piece = 0; piece < inputs.size(); ++piece) {
+      auto batch = to_device({inputs[piece], targets[piece]});
+      auto loss = split_ == 1 ? forward_loss(batch) / static_cast<double>(t.accum_steps)
+                              : forward_loss(batch) * (static_cast<double>(inputs[piece].size(0)) /
+                                                       static_cast<double>(whole.input.size(0) * t.accum_steps));
+      tracker_->end_phase(Phase::kForward);
+      // 2. Several ranks: buckets are reduced as they fill during this backward (every micro-batch, or the
+      //    last only with dist.reduce = step); end_micro_batch waits for them.
+      if (dp_) dp_->begin_micro_batch(/*last=*/micro + 1 == t.accum_steps && piece + 1 == inputs.size());
+      (scaler_ ? scaler_->scale(loss) : loss).backward();
+      if (dp_) dp_->end_micro_batch();
+      move_grads_to_masters();  // bf16 parameters: accumulate in fp32, not across micro-batches in bf16
+      tracker_->end_phase(Phase::kBackward);
+      loss_sum += loss.detach();
+    }
   }
   // 3. Unscale (fp16), clip; the norm stays on the device (fp32 master gradients when there are masters;
   //    several ranks: this rank's reduced part, and the norm is global).
@@ -295,19 +361,43 @@ StepResult Trainer::step() {
     if (dp_) dp_->all_reduce_found_inf(scaler_->found_inf());  // every rank skips, or none
   }
   r.grad_norm = dp_ ? dp_->clip_grad_norm(t.grad_clip) : clip_grad_norm(stepped, t.grad_clip);
+  // Without fp16's scaler, an inf/NaN is found here (one host read per step): the update is skipped.
+  // Several ranks decide on the global norm, which every rank holds, so they skip together.
+  if (!scaler_) {
+    auto finite = torch::isfinite(r.grad_norm);
+    if (!dp_) finite = finite.logical_and(torch::isfinite(loss_sum));
+    r.nonfinite = !finite.item<bool>();
+  }
   // 4. Optimizer step (skipped by the scaler on inf/NaN gradients).
-  if (scaler_) {
+  if (r.nonfinite) {
+    r.applied = false;
+    ++nonfinite_run_;
+    const bool stop = t.on_nonfinite == "stop" || nonfinite_run_ >= t.max_nonfinite;
+    std::ostringstream what;
+    what << "step " << step_ + 1 << ": non-finite " << (dp_ ? "" : "loss " + std::to_string(loss_sum.item<double>()) + " or ")
+         << "gradient norm " << r.grad_norm.item<double>();
+    MEMTRAIN_CHECK(!stop, Error, "[train] ", what.str(), "; stopping (",
+                   t.on_nonfinite == "stop" ? std::string("train.on_nonfinite = stop")
+                                            : std::to_string(nonfinite_run_) + " consecutive such steps, train.max_nonfinite = " +
+                                                  std::to_string(t.max_nonfinite),
+                   "). The parameters are those after step ", step_, "; lower train.lr or check the data");
+    if (world_.is_main())
+      std::cerr << "memtrain: warning: " << what.str() << ": update skipped (" << nonfinite_run_ << " in a row; the run "
+                << "stops at " << t.max_nonfinite << ")\n";
+  } else if (scaler_) {
+    nonfinite_run_ = 0;
     r.applied = scaler_->step(*optimizer_, stepped);
     scaler_->update();
   } else {
+    nonfinite_run_ = 0;
     optimizer_->step();
   }
-  if (!master_.empty()) {
+  if (r.applied && !master_.empty()) {
     torch::NoGradGuard no_grad;
     torch::_foreach_copy_(params_, master_);  // fp32 -> bf16, rounded once per step
   }
   if (dp_) {
-    dp_->after_optimizer_step();  // masters -> parameters, and the updated parts all-gathered
+    if (r.applied) dp_->after_optimizer_step();  // masters -> parameters, and the updated parts all-gathered
     r.comm_bytes = dp_->take_bytes_communicated();
   }
   tracker_->end_phase(Phase::kOptimizer);
@@ -395,7 +485,6 @@ void Trainer::fit() {
   const bool bar = config_.log.progress == "bar" || (config_.log.progress == "auto" && isatty(STDOUT_FILENO));
   // Every folder the run will write is created and probed now: an unwritable checkpoint folder found
   // after the last step would lose the whole run's work.
-  const auto ckpt_dir = config_.checkpoint.dir.empty() ? (fs::path(run_dir_) / "checkpoints").string() : config_.checkpoint.dir;
   auto probe = [](const std::string& dir, const char* what) {
     std::error_code ec;
     fs::create_directories(dir, ec);
@@ -407,7 +496,9 @@ void Trainer::fit() {
     fs::remove(file, ec);
   };
   probe(run_dir_, "the run folder (log.dir / log.name)");
-  if (config_.checkpoint.save_final || config_.checkpoint.every > 0) probe(ckpt_dir, "checkpoint.dir");
+  if (config_.checkpoint.save_final || config_.checkpoint.every > 0) probe(ckpt_dir_, "checkpoint.dir");
+  resume_or_refuse();
+  const detail::StopSignals signals;  // SIGTERM / SIGINT: save after this step and return
   const auto peak = peak_flops(config_.log.peak_tflops, device_, precision_);
   if (main) {
     std::cout << config_.to_ini() << "\n";
@@ -427,10 +518,16 @@ void Trainer::fit() {
               << "run folder: " << run_dir_ << "\n"
               << std::flush;
   }
+  // A resumed run appends to its logs; a fresh one starts them.
+  const bool resumed = !resumed_from_.empty();
   if (config_.memory.track)
-    tracker_->write_jsonl((fs::path(run_dir_) / ("memory.rank" + std::to_string(world_.rank) + ".jsonl")).string());
+    tracker_->write_jsonl((fs::path(run_dir_) / ("memory.rank" + std::to_string(world_.rank) + ".jsonl")).string(),
+                          /*append=*/resumed);
   std::ofstream metrics;  // rank 0 only
-  if (main) metrics.open((fs::path(run_dir_) / "metrics.jsonl").string(), std::ios::trunc);
+  if (main) {
+    metrics.open((fs::path(run_dir_) / "metrics.jsonl").string(), resumed ? std::ios::app : std::ios::trunc);
+    if (resumed) metrics << nlohmann::json({{"event", "resumed"}, {"step", step_}, {"checkpoint", resumed_from_}}).dump() << "\n";
+  }
 
   const double samples_per_step = static_cast<double>(t.micro_batch * t.accum_steps * world_.world_size);
   const double tokens_per_step = samples_per_step * static_cast<double>(model_->tokens_per_sample());
@@ -468,6 +565,7 @@ void Trainer::fit() {
       if (flops > 0) j["flops_per_s"] = flops;
       if (mfu > 0) j["mfu"] = mfu;
       if (scaler_) j["loss_scale"] = scaler_->current_scale(), j["skipped"] = !r.applied;
+      if (r.nonfinite) j["skipped_nonfinite"] = true;
       if (dp_) j["comm_bytes"] = r.comm_bytes;  // this rank's, in the last step's collectives
       for (const auto& m : mem) j["peak_" + m.device] = m.peak_allocated;
       metrics << j.dump() << "\n" << std::flush;
@@ -498,14 +596,22 @@ void Trainer::fit() {
       if (main) std::cout << (bar ? "\n" : "") << "eval step " << step_ << ": val loss " << std::fixed
                           << std::setprecision(4) << e.loss << "\n" << std::flush;
     }
-    const bool save_now = config_.checkpoint.every > 0 && step_ % config_.checkpoint.every == 0;
-    if (save_now) sync_buffers();  // every rank: a collective
-    if (save_now && main) {
-      fs::create_directories(ckpt_dir);
-      save_weights((fs::path(ckpt_dir) / ("model.step" + std::to_string(step_) + ".safetensors")).string());
+    if (config_.checkpoint.every > 0 && step_ % config_.checkpoint.every == 0 && step_ < t.steps) save_checkpoint();
+    if (stop_requested()) {  // every rank: a collective
+      const auto where = last_saved_step_ == step_ ? checkpoint_folder(ckpt_dir_, step_) : save_checkpoint();
+      stopped_by_signal_ = true;
+      if (main) {
+        const int sig = detail::StopSignals::received();
+        std::cout << (bar ? "\n" : "") << "memtrain: stopped by " << (sig ? strsignal(sig) : "a signal to another rank")
+                  << " after step " << step_ << " of " << t.steps << "; checkpoint saved to " << where
+                  << "; continue with --checkpoint.resume=auto\n" << std::flush;
+      }
+      return;
     }
   }
   if (bar && main) std::cout << "\n";
+  // The final training state first: a failure in the evaluations below loses nothing.
+  if (config_.checkpoint.save_final && last_saved_step_ != step_) save_checkpoint();
 
   nlohmann::json summary = {{"steps", step_}, {"final_train_loss", last_loss}, {"world_size", world_.world_size}};
   if (first_step >= 0 && step_ > first_step) {  // throughput after the first step, all ranks together
@@ -545,10 +651,10 @@ void Trainer::fit() {
     std::cout << out.str() << "\n";
     if (config_.memory.track) std::cout << MemoryTracker::format_summary_table(memory);
     if (config_.checkpoint.save_final) {
-      fs::create_directories(ckpt_dir);
-      const auto path = (fs::path(ckpt_dir) / "model.safetensors").string();
+      const auto path = (fs::path(ckpt_dir_) / "model.safetensors").string();
       save_weights(path);
-      std::cout << "saved weights to " << path << "\n";
+      std::cout << "saved weights to " << path << " and the training state to " << checkpoint_folder(ckpt_dir_, step_)
+                << "\n";
     }
     write_file_atomically((fs::path(run_dir_) / "summary.json").string(), summary.dump(2) + "\n");
   }

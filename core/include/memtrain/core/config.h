@@ -29,6 +29,8 @@ inline constexpr std::array<std::string_view, 2> param_dtype{"fp32", "bf16"};
 inline constexpr std::array<std::string_view, 3> backend{"auto", "gloo", "nccl"};
 inline constexpr std::array<std::string_view, 2> dist_reduce{"step", "micro_batch"};
 inline constexpr std::array<std::string_view, 3> progress{"auto", "bar", "lines"};
+inline constexpr std::array<std::string_view, 2> oom{"retry", "fail"};
+inline constexpr std::array<std::string_view, 2> on_nonfinite{"skip", "stop"};
 
 // "a | b | c", for messages and help.
 template <size_t N>
@@ -90,6 +92,12 @@ struct TrainOptions {
   int64_t eval_every = 50;         // 0 = only at the end
   int64_t eval_batches = 10;
   int64_t threads = 0;             // intra-op threads; 0 = LibTorch's default
+  // Out of memory in a step: retry it with half the micro-batch and twice the accumulation (the same
+  // samples), or fail naming the peak and the limit.
+  std::string oom = "retry";       // retry | fail
+  // A non-finite loss or gradient norm without fp16's scaler: skip the update, or stop the run.
+  std::string on_nonfinite = "skip";  // skip | stop
+  int64_t max_nonfinite = 5;       // consecutive skipped steps before the run stops anyway
 };
 
 struct MemoryConfig {
@@ -99,6 +107,7 @@ struct MemoryConfig {
   std::string recompute = "none";   // none | all | every:K | attn | mlp | budget:MiB
   bool offload = false;             // keep recomputed blocks' inputs in (pinned) CPU memory
   std::string head = "plain";       // plain | fused | fused:ROWS (linear + cross-entropy in chunks)
+  int64_t limit_mib = 0;            // this process's memory limit (CPU: counting allocator; CUDA: allocator fraction); 0 = none
 };
 
 struct DistConfig {
@@ -115,12 +124,15 @@ struct LogConfig {
   std::string name = "";         // "" = the config file's stem
   std::string progress = "auto"; // auto (bar on a terminal) | bar | lines
   double peak_tflops = 0;        // the device's peak, for MFU; 0 = from the table of known GPUs (none on CPU)
+  bool overwrite = false;        // start over in a run folder that holds another run (its checkpoints are deleted)
 };
 
 struct CheckpointConfig {
-  std::string dir = "";  // "" = <run dir>/checkpoints
-  int64_t every = 0;     // save model weights every N steps; 0 = only at the end
-  bool save_final = true;
+  std::string dir = "";     // "" = <run dir>/checkpoints
+  int64_t every = 0;        // save the training state every N steps (step-000N/); 0 = only at the end
+  bool save_final = true;   // at the end: the training state and model.safetensors (weights only)
+  int64_t keep = 3;         // training-state checkpoints kept (the newest)
+  std::string resume = "";  // "" = start fresh | auto = the newest complete checkpoint, if any | a checkpoint folder
 };
 
 struct Config {

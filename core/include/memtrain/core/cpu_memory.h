@@ -17,6 +17,10 @@ int64_t current();       // bytes held by live CPU tensors allocated since insta
 int64_t peak();          // highest current() since the last reset_peak()
 void reset_peak();       // peak := current
 int64_t allocations();   // number of allocations since install()
+// An allocation that would take current() above `bytes` throws c10::OutOfMemoryError, as a full GPU
+// does: what makes out-of-memory handling testable on a CPU. 0 = no limit (the default).
+void set_limit(int64_t bytes);
+int64_t limit();
 
 // Makes glibc keep freed heap memory for reuse instead of returning it to the kernel (no trimming,
 // no mmap for large blocks). A training step frees and re-allocates the same activation sizes every

@@ -87,7 +87,7 @@ class MemoryTracker {
   // Where the resident breakdown comes from (the trainer's parameters and optimizer).
   void set_resident_source(std::function<ResidentBytes(const c10::Device&)> source);
   // Starts (or restarts) writing one JSON line per step and device to `path`.
-  void write_jsonl(const std::string& path);
+  void write_jsonl(const std::string& path, bool append = false);  // append: a resumed run's file
 
   void begin_step(int64_t step);
   void end_phase(Phase phase);

@@ -12,6 +12,8 @@
 namespace memtrain {
 
 std::map<std::string, torch::Tensor> load_safetensors(const std::string& path);
+// The format's name of a dtype ("F32", "BF16", ...); "" for one it cannot hold.
+std::string safetensors_dtype(c10::ScalarType type);
 // Writes `bytes` to path.tmp, fsyncs it and renames it over `path`: a crash or a full disk leaves the
 // old file (or none), never a half-written one. Throws Error naming the file on failure.
 void write_file_atomically(const std::string& path, const std::string& bytes);

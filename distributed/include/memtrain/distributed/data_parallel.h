@@ -49,6 +49,16 @@ struct ParamSlot {
   std::vector<int64_t> shape;
 };
 
+// What the optimizer steps on this rank for one parameter: elements [begin, end) of the flattened
+// parameter `name`, as a view into this rank's part (the fp32 master with master weights); the view is
+// the optimizer's key for its state.
+struct SteppedSegment {
+  std::string name;
+  int64_t begin = 0;
+  int64_t end = 0;
+  torch::Tensor stepped;
+};
+
 class DataParallel {
  public:
   // `named_params`: the distinct trainable parameters (tied weights once), all on one device.
@@ -64,6 +74,8 @@ class DataParallel {
   const std::vector<torch::Tensor>& decay_tensors() const { return decay_; }
   const std::vector<torch::Tensor>& no_decay_tensors() const { return no_decay_; }
   std::vector<torch::Tensor> stepped_tensors() const;  // both lists
+  const std::vector<SteppedSegment>& segments() const { return segments_; }
+  int stage() const { return options_.stage; }
 
   void begin_step();                           // zero the reduced gradients
   void begin_micro_batch(bool last);           // before a backward: gradient buckets ready, hooks armed
@@ -110,6 +122,7 @@ class DataParallel {
   std::vector<std::unique_ptr<Bucket>> buckets_;
   std::vector<torch::Tensor> decay_, no_decay_;
   std::vector<ParamSlot> index_;
+  std::vector<SteppedSegment> segments_;
   size_t next_to_launch_ = 0;
   bool armed_ = false;
   int64_t bytes_taken_ = 0;      // ProcessGroup::bytes_communicated() at the last take

@@ -12,8 +12,8 @@
 #include <torch/optim/optimizer.h>
 
 #include <map>
-
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace memtrain {
@@ -37,7 +37,13 @@ struct OptimizerOptions {
 class FusedAdamW : public torch::optim::Optimizer {
  public:
   FusedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::AdamWOptions defaults);
+  // All missing state is allocated before any parameter is updated: an out-of-memory error in step()
+  // leaves every parameter and moment as it was.
   torch::Tensor step(LossClosure closure = nullptr) override;
+
+  // The () fp32 step count the kernel reads for `param`; undefined before its first step.
+  torch::Tensor step_count(const torch::Tensor& param) const;
+  void set_step_count(const torch::Tensor& param, double count);
 
  private:
   std::map<const void*, torch::Tensor> steps_;  // per parameter: () fp32 step count
@@ -53,6 +59,17 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& 
                                                         const std::vector<torch::Tensor>& no_decay);
 
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr);
+
+// The optimizer's state for one stepped tensor, by field: AdamW (both kinds) "exp_avg", "exp_avg_sq" (the
+// tensor's shape) and "step" (() int64 count of applied steps); SGD "momentum_buffer". Empty before the
+// tensor's first step. What a name-keyed checkpoint saves: it holds no TensorImpl address.
+std::map<std::string, torch::Tensor> get_param_state(const torch::optim::Optimizer& optimizer, const torch::Tensor& param);
+// Replaces that state with copies of `state` (the same fields; every tensor of the parameter's shape, or
+// as many elements), on the parameter's device and dtype. Throws Error naming a missing field.
+void set_param_state(torch::optim::Optimizer& optimizer, const torch::Tensor& param,
+                     const std::map<std::string, torch::Tensor>& state);
+// The fields get_param_state returns for this optimizer's kind (what a checkpoint must hold).
+std::vector<std::string> param_state_fields(const torch::optim::Optimizer& optimizer);
 
 // Every tensor the optimizer keeps as state (AdamW: exp_avg, exp_avg_sq; SGD: momentum buffer).
 std::vector<torch::Tensor> optimizer_state_tensors(const torch::optim::Optimizer& optimizer);

@@ -91,7 +91,16 @@ class GradScaler {
   // Backs the scale off after a non-finite step, grows it after growth_interval finite ones.
   void update();
 
+  // Forgets a step that was abandoned part way (an out-of-memory retry): without it, an exception between
+  // unscale() and update() leaves the next step's gradients un-unscaled and step() refusing to run.
+  void discard_step();
+
   double current_scale() const;  // host read, for logging
+  // The state a training checkpoint keeps: () fp32 scale and () int32 count of finite steps since the
+  // last change; load_state copies them in (onto this scaler's device).
+  const torch::Tensor& scale_tensor() const { return scale_; }
+  const torch::Tensor& growth_tracker() const { return growth_tracker_; }
+  void load_state(const torch::Tensor& scale, const torch::Tensor& growth_tracker);
   // This step's found-inf flag, () fp32, set by unscale(): several ranks MAX-reduce it before step().
   torch::Tensor& found_inf() { return found_inf_; }
   bool enabled() const { return options_.enabled; }

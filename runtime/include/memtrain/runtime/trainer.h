@@ -25,6 +25,7 @@
 #include "memtrain/distributed/data_parallel.h"
 #include "memtrain/distributed/world.h"
 #include "memtrain/core/memory_tracker.h"
+#include "memtrain/core/state_checkpoint.h"
 #include "memtrain/models/model.h"
 #include "memtrain/optim/optimizer.h"
 #include "memtrain/runtime/precision.h"
@@ -37,7 +38,8 @@ struct StepResult {
   torch::Tensor grad_norm;  // () fp32 on the device: before clipping (global over ranks)
   int64_t comm_bytes = 0;   // bytes this rank put into collectives during the step
   double lr = 0;
-  bool applied = true;      // false when the fp16 scaler skipped the step (inf/NaN gradients)
+  bool applied = true;      // false when the step was skipped: fp16's scaler or train.on_nonfinite (inf/NaN)
+  bool nonfinite = false;   // without fp16: the loss or the gradient norm was inf/NaN (the update was skipped)
 };
 
 struct EvalResult {
@@ -61,8 +63,23 @@ class Trainer {
 
   StepResult step();          // one optimizer step: micro-batches, reduce, clip, update, memory
   EvalResult evaluate(const std::vector<Batch>& batches);
-  void fit();                 // config.train.steps steps with logging, evaluation and saving
+  // config.train.steps steps with logging, evaluation and saving; resumes first when checkpoint.resume
+  // says so. SIGTERM / SIGINT while it runs: the current step ends, a checkpoint is saved, fit() returns
+  // (stopped_by_signal()); a second signal exits the process at once.
+  void fit();
   void save_weights(const std::string& path) const;
+  // The whole training state (core/state_checkpoint.h): parameters (fp32 masters where they exist),
+  // buffers, optimizer state by parameter name, the loss scaler, the step, the recompute plan and the
+  // config, as checkpoint.dir/step-N/. Collective when there are ranks (each writes its own part).
+  // Throws Error when any rank cannot write; the previous checkpoints are left as they were.
+  std::string save_checkpoint();
+  // Continues from a checkpoint saved at any world size and ZeRO stage (each rank takes its part).
+  // A checkpoint of another model, optimizer or shape is an error naming the tensor; nothing is changed then.
+  void load_checkpoint(const std::string& path);
+  const std::string& checkpoint_dir() const { return ckpt_dir_; }
+  // Pieces each micro-batch is cut into after out-of-memory retries (1: none).
+  int64_t micro_batch_split() const { return split_; }
+  bool stopped_by_signal() const { return stopped_by_signal_; }
 
   Model& model() { return *model_; }
   Dataset& data() { return *data_; }
@@ -85,6 +102,12 @@ class Trainer {
 
  private:
   void setup();
+  StepResult attempt_step();
+  void recover_from_oom(const std::string& what);  // throws when the step cannot be retried
+  void resume_or_refuse();                          // fit(): checkpoint.resume and log.overwrite
+  bool agree(bool ok);                              // every rank ok (a collective with ranks)
+  bool stop_requested();                            // a stop signal on any rank (collective)
+  std::vector<ShardPiece> state_pieces() const;
   torch::Tensor forward_loss(const Batch& batch);
   Batch to_device(Batch batch) const;
   void move_grads_to_masters();  // device, and floating inputs in the parameters' dtype
@@ -110,7 +133,14 @@ class Trainer {
   int64_t head_rows_ = -1;  // memory.head: -1 plain, 0 fused (automatic chunks), > 0 rows per chunk
   std::unique_ptr<MemoryTracker> tracker_;
   std::string run_dir_;
+  std::string ckpt_dir_;
+  std::vector<std::string> param_names_;  // of params_
   int64_t step_ = 0;
+  int64_t split_ = 1;
+  int64_t nonfinite_run_ = 0;     // consecutive skipped non-finite steps
+  int64_t last_saved_step_ = -1;
+  std::string resumed_from_;
+  bool stopped_by_signal_ = false;
 };
 
 // The device a config asks for: cpu, cuda (this rank's local GPU), or auto (cuda when available).

@@ -1,0 +1,326 @@
+// The Trainer's training-state checkpoints: what each rank saves, loading at any world size and ZeRO
+// stage, resuming at the start of fit(), and agreeing across ranks on failures and stop signals.
+#include <signal.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <filesystem>
+#include <iostream>
+#include <set>
+#include <sstream>
+
+#include "memtrain/core/error.h"
+#include "memtrain/runtime/trainer.h"
+#include "stop_signals.h"
+
+namespace memtrain {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// `key = value` lines of an INI text under their sections ("train.lr" -> "1e-3"), for comparing configs.
+std::map<std::string, std::string> ini_values(const std::string& text) {
+  std::map<std::string, std::string> out;
+  std::istringstream in(text);
+  std::string line, section;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    if (line.front() == '[' && line.back() == ']') {
+      section = line.substr(1, line.size() - 2);
+      continue;
+    }
+    const auto eq = line.find(" = ");
+    if (eq != std::string::npos) out[section + "." + line.substr(0, eq)] = line.substr(eq + 3);
+  }
+  return out;
+}
+
+std::string plan_text(const std::vector<bool>& blocks) {
+  std::string s;
+  for (bool b : blocks) s += b ? '1' : '0';
+  return s;
+}
+
+}  // namespace
+
+bool Trainer::agree(bool ok) {
+  if (!dp_) return ok;
+  auto failures = torch::full({1}, ok ? 0.0 : 1.0, torch::TensorOptions().dtype(torch::kDouble).device(device_));
+  dp_->group_all_reduce_sum(failures);
+  return failures.item<double>() == 0;
+}
+
+std::vector<ShardPiece> Trainer::state_pieces() const {
+  std::vector<ShardPiece> out;
+  auto add = [&](const std::string& name, const torch::Tensor& t, std::vector<int64_t> shape, int64_t begin, int64_t end) {
+    out.push_back({name, std::move(shape), begin, end, t.detach().reshape({-1})});
+  };
+  // Optimizer state of one stepped tensor: elements [begin, end) of the parameter; the step count once,
+  // by whoever holds the parameter's first element.
+  auto add_state = [&](const std::string& name, const torch::Tensor& stepped, const std::vector<int64_t>& shape,
+                       int64_t begin, int64_t end) {
+    for (const auto& [field, value] : get_param_state(*optimizer_, stepped)) {
+      if (value.dim() == 0) {
+        if (begin == 0) add("optim/" + name + "/" + field, value, {}, 0, 1);
+      } else {
+        add("optim/" + name + "/" + field, value, shape, begin, end);
+      }
+    }
+  };
+  if (dp_) {
+    // Stage 0: every rank holds everything; rank 0 saves it. Stages 1-2: each rank its own part.
+    if (dp_->stage() > 0 || world_.is_main()) {
+      std::map<std::string, std::vector<int64_t>> shapes;
+      for (const auto& slot : dp_->index()) shapes[slot.name] = slot.shape;
+      for (const auto& seg : dp_->segments()) {
+        add("model/" + seg.name, seg.stepped, shapes.at(seg.name), seg.begin, seg.end);
+        add_state(seg.name, seg.stepped, shapes.at(seg.name), seg.begin, seg.end);
+      }
+    }
+  } else {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const auto& value = master_.empty() ? params_[i] : master_[i];
+      add("model/" + param_names_[i], value, value.sizes().vec(), 0, value.numel());
+      add_state(param_names_[i], value, value.sizes().vec(), 0, value.numel());
+    }
+  }
+  if (world_.is_main()) {
+    for (const auto& item : model_->named_buffers())
+      add("buffer/" + item.key(), item.value(), item.value().sizes().vec(), 0, item.value().numel());
+    if (scaler_) {
+      add("scaler/scale", scaler_->scale_tensor(), {}, 0, 1);
+      add("scaler/growth_tracker", scaler_->growth_tracker(), {}, 0, 1);
+    }
+  }
+  return out;
+}
+
+std::string Trainer::save_checkpoint() {
+  sync_buffers();  // every rank: a collective; rank 0's statistics are the ones saved
+  const bool main = world_.is_main();
+  const auto staging = staging_folder(ckpt_dir_, step_);
+  const auto previous = find_latest_checkpoint(ckpt_dir_);
+  std::string error;
+  auto attempt = [&](auto&& fn) {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  };
+  auto fail_unless_all = [&](const char* stage) {
+    if (agree(error.empty())) return;
+    if (main) {
+      std::error_code ec;
+      fs::remove_all(staging, ec);
+    }
+    throw Error(detail::concat("[checkpoint] saving step ", step_, " to ", ckpt_dir_, " failed while ", stage, ": ",
+                               error.empty() ? std::string("another rank failed (its own message names the cause)") : error,
+                               previous.empty() ? std::string("; no earlier checkpoint exists")
+                                                : "; the previous checkpoint " + previous + " is intact"));
+  };
+  if (main) attempt([&] {
+      fs::remove_all(staging);
+      fs::create_directories(staging);
+    });
+  fail_unless_all("creating its folder");
+  attempt([&] { write_rank_file(staging, world_.rank, state_pieces()); });
+  fail_unless_all("writing the ranks' files");
+  std::string folder = checkpoint_folder(ckpt_dir_, step_);
+  if (main) attempt([&] {
+      CheckpointMeta meta;
+      meta.step = step_;
+      meta.world_size = world_.world_size;
+      meta.zero_stage = dp_ ? dp_->stage() : 0;
+      meta.fields = {{"config", config_.to_ini()},
+                     {"optimizer", config_.train.optimizer},
+                     {"param_dtype", config_.train.param_dtype},
+                     {"precision", config_.train.precision}};
+      if (policy_.mode == CheckpointPolicy::Mode::kBudget && !policy_.blocks.empty())
+        meta.fields["recompute_plan"] = plan_text(policy_.blocks);
+      folder = commit_checkpoint(ckpt_dir_, meta, config_.checkpoint.keep);
+    });
+  fail_unless_all("writing the manifest");
+  last_saved_step_ = step_;
+  return folder;
+}
+
+void Trainer::load_checkpoint(const std::string& path) {
+  const auto ck = ::memtrain::load_checkpoint(path);
+  const auto& T = ck.tensors;
+  const auto& fields = ck.meta.fields;
+  auto field = [&](const std::string& key) {
+    auto it = fields.find(key);
+    return it == fields.end() ? std::string() : it->second;
+  };
+  // 1. Everything is checked before anything is copied.
+  const auto saved_optimizer = field("optimizer");
+  MEMTRAIN_CHECK(saved_optimizer.empty() || saved_optimizer == config_.train.optimizer ||
+                     (saved_optimizer != "sgd" && config_.train.optimizer != "sgd"),
+                 DataError, "[checkpoint] ", path, " was saved with train.optimizer = ", saved_optimizer,
+                 "; this run uses ", config_.train.optimizer, ": their states differ");
+  std::map<std::string, torch::Tensor> params;
+  for (size_t i = 0; i < params_.size(); ++i) params[param_names_[i]] = params_[i];
+  std::map<std::string, torch::Tensor> buffers;
+  for (const auto& item : model_->named_buffers()) buffers[item.key()] = item.value();
+  auto expect = [&](const std::string& name, const torch::Tensor& target, const char* what) {
+    auto it = T.find(name);
+    MEMTRAIN_CHECK(it != T.end(), DataError, "[checkpoint] ", path, ": no tensor '", name, "' for the model's ", what,
+                   " of shape ", target.sizes(), ": a checkpoint of another model?");
+    MEMTRAIN_CHECK(it->second.sizes() == target.sizes(), DataError, "[checkpoint] ", path, ": tensor '", name,
+                   "' has shape ", it->second.sizes(), "; the model's ", what, " has ", target.sizes());
+    return it->second;
+  };
+  for (const auto& [name, p] : params) expect("model/" + name, p, "parameter");
+  for (const auto& [name, b] : buffers) expect("buffer/" + name, b, "buffer");
+  const auto state_fields = param_state_fields(*optimizer_);
+  std::set<std::string> stepped_names;  // parameters that have optimizer state in the checkpoint
+  for (const auto& [name, p] : params) {
+    size_t present = 0;
+    for (const auto& f : state_fields) present += T.count("optim/" + name + "/" + f);
+    for (const auto& f : state_fields)
+      MEMTRAIN_CHECK(present == 0 || T.count("optim/" + name + "/" + f), DataError, "[checkpoint] ", path,
+                     ": no optimizer state 'optim/", name, "/", f, "' beside the rest of that parameter's state");
+    if (present) stepped_names.insert(name);
+  }
+  for (const auto& [name, t] : T) {
+    const auto slash = name.find('/');
+    const auto kind = name.substr(0, slash), rest = name.substr(slash + 1);
+    const bool known = (kind == "model" && params.count(rest)) || (kind == "buffer" && buffers.count(rest)) ||
+                       (kind == "optim" && params.count(rest.substr(0, rest.rfind('/')))) || kind == "scaler";
+    MEMTRAIN_CHECK(known, DataError, "[checkpoint] ", path, ": unexpected tensor '", name,
+                   "': this model has no such parameter or buffer (a checkpoint of another model?)");
+  }
+  const auto plan = field("recompute_plan");
+  MEMTRAIN_CHECK(plan.empty() || static_cast<int64_t>(plan.size()) == model_->num_blocks(), DataError, "[checkpoint] ",
+                 path, ": its recompute plan covers ", plan.size(), " blocks; the model has ", model_->num_blocks());
+
+  // 2. Copy. Parameters are replicated in stages 0-2: every rank takes the whole tensor, and its own
+  //    part of the fp32 masters and the optimizer state.
+  torch::NoGradGuard no_grad;
+  auto state_of = [&](const std::string& name, int64_t begin, int64_t end) {
+    std::map<std::string, torch::Tensor> state;
+    for (const auto& f : state_fields) {
+      const auto& t = T.at("optim/" + name + "/" + f);
+      state[f] = t.dim() == 0 ? t : t.reshape({-1}).slice(0, begin, end);
+    }
+    return state;
+  };
+  if (dp_) {
+    for (const auto& [name, p] : params) p.copy_(T.at("model/" + name));  // with masters: fp32 -> bf16 once
+    for (const auto& seg : dp_->segments()) {
+      seg.stepped.copy_(T.at("model/" + seg.name).reshape({-1}).slice(0, seg.begin, seg.end));
+      if (stepped_names.count(seg.name)) set_param_state(*optimizer_, seg.stepped, state_of(seg.name, seg.begin, seg.end));
+    }
+  } else {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const auto& name = param_names_[i];
+      auto& stepped = master_.empty() ? params_[i] : master_[i];
+      stepped.copy_(T.at("model/" + name));
+      if (!master_.empty()) params_[i].copy_(master_[i]);  // fp32 -> bf16, as after every step
+      if (stepped_names.count(name)) set_param_state(*optimizer_, stepped, state_of(name, 0, stepped.numel()));
+    }
+  }
+  for (auto& [name, b] : buffers) b.copy_(T.at("buffer/" + name));
+  if (scaler_ && T.count("scaler/scale") && T.count("scaler/growth_tracker"))
+    scaler_->load_state(T.at("scaler/scale"), T.at("scaler/growth_tracker"));
+  if (!plan.empty() && policy_.mode == CheckpointPolicy::Mode::kBudget) {
+    policy_.blocks.clear();
+    for (char c : plan) policy_.blocks.push_back(c == '1');
+  }
+  step_ = ck.meta.step;
+  last_saved_step_ = step_;
+  split_ = 1;
+  nonfinite_run_ = 0;
+
+  if (world_.is_main()) {
+    std::cout << "resumed:    step " << step_ << " from " << path << " (saved by " << ck.meta.world_size
+              << (ck.meta.world_size == 1 ? " rank" : " ranks") << ", ZeRO stage " << ck.meta.zero_stage << ")\n";
+    if (scaler_ && !T.count("scaler/scale")) std::cout << "            (no loss-scaler state in it: the scale starts afresh)\n";
+    // Settings that change the training itself and differ from the checkpoint's: said, not refused.
+    const auto before = ini_values(field("config")), now = ini_values(config_.to_ini());
+    for (const auto& [key, value] : now) {
+      if (key.rfind("log.", 0) == 0 || key.rfind("checkpoint.", 0) == 0) continue;
+      auto it = before.find(key);
+      if (it != before.end() && it->second != value)
+        std::cout << "            note: " << key << " = " << value << " (the checkpoint's run had " << it->second << ")\n";
+    }
+    std::cout << std::flush;
+  }
+}
+
+void Trainer::resume_or_refuse() {
+  const auto& ck = config_.checkpoint;
+  const bool main = world_.is_main();
+  const auto metrics = fs::path(run_dir_) / "metrics.jsonl";
+  std::string path;
+  if (ck.resume.empty()) {
+    const auto existing = list_checkpoints(ckpt_dir_);
+    const bool other_run = fs::exists(metrics) || !existing.empty();
+    MEMTRAIN_CHECK(!other_run || config_.log.overwrite, ConfigError, "[config] the run folder ", run_dir_,
+                   " already holds a run (", existing.empty() ? std::string("metrics.jsonl")
+                                                              : std::to_string(existing.size()) + " checkpoint(s) in " + ckpt_dir_,
+                   "): continue it with --checkpoint.resume=auto, start over with --log.overwrite=true (its "
+                   "checkpoints are deleted), or choose another --log.name");
+    agree(true);  // every rank has looked before rank 0 deletes anything
+    if (other_run && main) {
+      for (const auto& c : existing) fs::remove_all(c);
+      std::error_code ec;
+      fs::remove(fs::path(ckpt_dir_) / "latest", ec);
+      std::cout << "overwrite:  started over in " << run_dir_ << " (log.overwrite = true)\n";
+    }
+  } else if (ck.resume == "auto") {
+    path = find_latest_checkpoint(ckpt_dir_);
+    if (path.empty() && main) std::cout << "resume:     no checkpoint in " << ckpt_dir_ << ": starting fresh\n";
+  } else {
+    path = ck.resume;
+    MEMTRAIN_CHECK(fs::is_directory(path), ConfigError, "[config] checkpoint.resume = ", path,
+                   ": no such checkpoint folder (expected auto or a step-N folder of checkpoint.dir)");
+  }
+  if (!path.empty()) {
+    load_checkpoint(path);
+    resumed_from_ = path;
+  }
+}
+
+namespace {
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+extern "C" void on_stop_signal(int sig) {
+  if (g_stop_signal != 0) _exit(128 + sig);  // the second one: at once
+  g_stop_signal = sig;
+  static const char msg[] = "memtrain: stop requested: finishing this step and saving a checkpoint (again: exit now)\n";
+  [[maybe_unused]] auto n = ::write(STDERR_FILENO, msg, sizeof msg - 1);
+}
+}  // namespace
+
+bool Trainer::stop_requested() {
+  double mine = g_stop_signal;
+  if (!dp_) return mine != 0;
+  auto any = torch::full({1}, mine, torch::TensorOptions().dtype(torch::kDouble).device(device_));
+  dp_->group_all_reduce_sum(any);  // a signal to any rank stops them all after the same step
+  return any.item<double>() != 0;
+}
+
+}  // namespace memtrain
+
+namespace memtrain::detail {
+
+StopSignals::StopSignals() {
+  g_stop_signal = 0;
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, &old_term_);
+  sigaction(SIGINT, &sa, &old_int_);
+}
+
+StopSignals::~StopSignals() {
+  sigaction(SIGTERM, &old_term_, nullptr);
+  sigaction(SIGINT, &old_int_, nullptr);
+}
+
+int StopSignals::received() { return g_stop_signal; }
+
+}  // namespace memtrain::detail
