@@ -51,6 +51,7 @@ inline Config tiny_gpt_config(int64_t layers = 2) {
   c.train.warmup_steps = 2;
   c.train.eval_every = 0;
   c.log.dir = (std::filesystem::temp_directory_path() / "memtrain-tests").string();
+  c.log.overwrite = true;  // tests rerun in the same folders
   return c;
 }
 
