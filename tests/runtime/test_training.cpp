@@ -187,7 +187,7 @@ struct OutputRun {
 
 OutputRun output_run(const std::vector<std::string>& extra = {}) {
   std::vector<std::string> args = {"--train.steps=4", "--log.every=1", "--log.progress=lines", "--train.eval_every=0",
-                                   "--log.dir=" + test::tiny_gpt_config().log.dir, "--log.name=output"};
+                                   "--log.dir=" + test::tiny_gpt_config().log.dir, "--log.name=output", "--log.overwrite=true"};
   args.insert(args.end(), extra.begin(), extra.end());
   auto c = Config::load(test::source("examples/configs/mlp_fashion_cpu.ini"), args);
   Trainer t(c);
