@@ -255,6 +255,23 @@ TEST(GradScaler, UnscalesOncePerStepAcrossMicroBatches) {
   EXPECT_TRUE(torch::allclose(p.grad(), torch::full({2}, 6.0)));
 }
 
+TEST(GradScaler, AnAbandonedStepIsDiscardedNotWedged) {
+  // A step abandoned between unscale/step and update (an out-of-memory retry): without discard_step()
+  // the retry's gradients would stay scaled (unscale thinks it ran) and step() would refuse to run.
+  auto p = torch::ones({2}).requires_grad_();
+  torch::optim::SGD opt({p}, torch::optim::SGDOptions(0.5));
+  GradScaler scaler({.init_scale = 8.0});
+  scaler.scale((p * 2).sum()).backward();  // grad 16
+  EXPECT_TRUE(scaler.step(opt, {p}));      // unscaled to 2 and applied: p = 0
+  // ... the exception comes here, before update(). The retry:
+  scaler.discard_step();
+  p.mutable_grad().reset();
+  scaler.scale((p * 2).sum()).backward();  // grad 16 again
+  EXPECT_TRUE(scaler.step(opt, {p}));      // unscaled again, stepped: p = 0 - 0.5 * 2
+  EXPECT_TRUE(torch::allclose(p.detach(), torch::full({2}, -1.0))) << p;
+  scaler.update();
+}
+
 TEST(GradScaler, CudaFp16SkipsWithoutGpu) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   auto c = test::tiny_gpt_config();
