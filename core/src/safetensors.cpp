@@ -4,8 +4,8 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <cerrno>
-
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -24,10 +24,63 @@ const std::map<std::string, c10::ScalarType>& dtypes() {
   return m;
 }
 
-std::string crc_of(const std::string& bytes) {
+uint32_t crc_of(const void* data, size_t n, uint32_t crc = 0) {
   // crc32_z takes a size_t length: files over 4 GiB are covered whole.
-  return std::to_string(crc32_z(0L, reinterpret_cast<const Bytef*>(bytes.data()), bytes.size()));
+  return static_cast<uint32_t>(crc32_z(crc, static_cast<const Bytef*>(data), n));
 }
+
+// A file written to path.tmp, fsynced and renamed over path by finish(); removed if never finished.
+class AtomicFile {
+ public:
+  explicit AtomicFile(std::string path) : path_(std::move(path)), tmp_(path_ + ".tmp") {
+    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    MEMTRAIN_CHECK(fd_ >= 0, Error, "[io] cannot write '", tmp_, "': ", std::strerror(errno));
+  }
+  ~AtomicFile() {
+    if (fd_ >= 0) ::close(fd_), ::unlink(tmp_.c_str());
+  }
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+
+  void write(const void* data, size_t n) {
+    const char* p = static_cast<const char*>(data);
+    for (size_t done = 0; done < n;) {
+      auto w = ::write(fd_, p + done, std::min<size_t>(n - done, size_t{1} << 30));
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0)
+        throw Error(detail::concat("[io] writing '", tmp_, "' failed after ", written_ + done, " bytes: ",
+                                   std::strerror(w < 0 ? errno : ENOSPC), "; '", path_, "' is untouched"));
+      done += static_cast<size_t>(w);
+    }
+    written_ += n;
+  }
+  // On disk before the rename, so that a crash leaves either the old file or the whole new one.
+  void finish() {
+    const bool synced = ::fsync(fd_) == 0;
+    const int err = errno;
+    const bool closed = ::close(fd_) == 0;
+    fd_ = -1;
+    if (!synced || !closed) {
+      ::unlink(tmp_.c_str());
+      throw Error(detail::concat("[io] flushing '", tmp_, "' failed: ", std::strerror(synced ? errno : err), "; '", path_,
+                                 "' is untouched"));
+    }
+    std::error_code ec;
+    std::filesystem::rename(tmp_, path_, ec);
+    if (ec) {
+      ::unlink(tmp_.c_str());
+      throw Error(detail::concat("[io] renaming '", tmp_, "' to '", path_, "' failed: ", ec.message()));
+    }
+    auto dir = std::filesystem::path(path_).parent_path();
+    int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
+    if (dfd >= 0) ::fsync(dfd), ::close(dfd);  // the rename itself; best effort
+  }
+
+ private:
+  std::string path_, tmp_;
+  int fd_ = -1;
+  uint64_t written_ = 0;
+};
 
 }  // namespace
 
@@ -38,50 +91,39 @@ std::string safetensors_dtype(c10::ScalarType type) {
 }
 
 void write_file_atomically(const std::string& path, const std::string& bytes) {
-  const auto tmp = path + ".tmp";
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  MEMTRAIN_CHECK(fd >= 0, Error, "[io] cannot write '", tmp, "': ", std::strerror(errno));
-  size_t done = 0;
-  while (done < bytes.size()) {
-    auto n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int err = errno;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      throw Error(detail::concat("[io] writing '", tmp, "' failed after ", done, " of ", bytes.size(),
-                                 " bytes: ", std::strerror(err), "; '", path, "' is untouched"));
-    }
-    done += static_cast<size_t>(n);
-  }
-  // On disk before the rename, so that a crash leaves either the old file or the whole new one.
-  const bool synced = ::fsync(fd) == 0;
-  const bool closed = ::close(fd) == 0;
-  if (!synced || !closed) {
-    ::unlink(tmp.c_str());
-    throw Error(detail::concat("[io] flushing '", tmp, "' failed: ", std::strerror(errno), "; '", path, "' is untouched"));
-  }
-  std::filesystem::rename(tmp, path);
-  auto dir = std::filesystem::path(path).parent_path();
-  int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (dfd >= 0) ::fsync(dfd), ::close(dfd);  // the rename itself; best effort
+  AtomicFile f(path);
+  f.write(bytes.data(), bytes.size());
+  f.finish();
 }
 
-std::map<std::string, torch::Tensor> load_safetensors(const std::string& path) {
+std::string read_file_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  MEMTRAIN_CHECK(in.good(), DataError, "[safetensors] cannot open '", path, "'");
-  const uint64_t file_size = std::filesystem::file_size(path);
+  MEMTRAIN_CHECK(in.good(), DataError, "[io] cannot open '", path, "'");
+  std::error_code ec;
+  const auto size = std::filesystem::file_size(path, ec);
+  MEMTRAIN_CHECK(!ec, DataError, "[io] cannot read the size of '", path, "': ", ec.message());
+  std::string bytes(size, '\0');
+  in.read(bytes.data(), static_cast<std::streamsize>(size));
+  MEMTRAIN_CHECK(static_cast<uint64_t>(in.gcount()) == size, DataError, "[io] short read of '", path, "' (",
+                 in.gcount(), " of ", size, " bytes)");
+  return bytes;
+}
+
+uint32_t crc32_of(const std::string& bytes) { return crc_of(bytes.data(), bytes.size()); }
+
+std::map<std::string, torch::Tensor> load_safetensors(const std::string& path) {
+  return parse_safetensors(read_file_bytes(path), path);
+}
+
+std::map<std::string, torch::Tensor> parse_safetensors(const std::string& bytes, const std::string& path) {
+  const uint64_t file_size = bytes.size();
   uint64_t header_len = 0;
-  in.read(reinterpret_cast<char*>(&header_len), 8);
-  MEMTRAIN_CHECK(in.good() && file_size >= 8 && header_len > 1 && header_len <= file_size - 8, DataError,
-                 "[safetensors] ", path, ": corrupt header length ", header_len, " for a file of ", file_size, " bytes");
-  std::string header(header_len, '\0');
-  in.read(header.data(), static_cast<std::streamsize>(header_len));
+  if (file_size >= 8) std::memcpy(&header_len, bytes.data(), 8);
+  MEMTRAIN_CHECK(file_size >= 8 && header_len > 1 && header_len <= file_size - 8, DataError, "[safetensors] ", path,
+                 ": corrupt header length ", header_len, " for a file of ", file_size, " bytes");
+  const std::string header = bytes.substr(8, header_len);
+  const char* data = bytes.data() + 8 + header_len;
   const uint64_t data_len = file_size - 8 - header_len;
-  std::string data(data_len, '\0');
-  in.read(data.data(), static_cast<std::streamsize>(data_len));
-  MEMTRAIN_CHECK(static_cast<uint64_t>(in.gcount()) == data_len, DataError, "[safetensors] ", path, ": short read (",
-                 in.gcount(), " of ", data_len, " data bytes)");
   std::map<std::string, torch::Tensor> out;
   std::string current = "<header>";
   try {
@@ -89,7 +131,7 @@ std::map<std::string, torch::Tensor> load_safetensors(const std::string& path) {
     MEMTRAIN_CHECK(j.is_object(), DataError, "[safetensors] ", path, ": header is not a JSON object");
     if (j.contains("__metadata__") && j["__metadata__"].contains("crc32")) {
       auto expected = j["__metadata__"]["crc32"].get<std::string>();
-      auto actual = crc_of(data);
+      auto actual = std::to_string(crc_of(data, data_len));
       MEMTRAIN_CHECK(expected == actual, DataError, "[safetensors] ", path, ": checksum mismatch (expected crc32 ",
                      expected, ", got ", actual, "): the file is corrupt");
     }
@@ -113,7 +155,7 @@ std::map<std::string, torch::Tensor> load_safetensors(const std::string& path) {
                      range.empty() ? 0 : range[0], ", ", range.size() < 2 ? 0 : range[1], ") of ", data_len,
                      "; its shape needs ", nbytes);
       auto t = torch::empty(shape, torch::TensorOptions().dtype(dt->second));
-      std::memcpy(t.data_ptr(), data.data() + range[0], nbytes);
+      if (nbytes > 0) std::memcpy(t.data_ptr(), data + range[0], nbytes);
       out.emplace(name, t);
     }
   } catch (const nlohmann::json::exception& e) {
@@ -122,28 +164,39 @@ std::map<std::string, torch::Tensor> load_safetensors(const std::string& path) {
   return out;
 }
 
-void save_safetensors(const std::string& path, const std::map<std::string, torch::Tensor>& tensors,
-                      const std::map<std::string, std::string>& metadata) {
+SavedFile save_safetensors(const std::string& path, const std::map<std::string, torch::Tensor>& tensors,
+                           const std::map<std::string, std::string>& metadata) {
+  // The header first (offsets follow from the shapes), then each tensor's bytes straight from its memory:
+  // no copy of the data is assembled. The data's CRC-32 goes into the header, so it is computed first.
   nlohmann::json header = nlohmann::json::object();
-  std::string data;
+  std::vector<torch::Tensor> host;  // CPU and contiguous: views where they already are
+  uint64_t offset = 0;
+  uint32_t data_crc = 0;
   for (const auto& [name, tensor] : tensors) {
     auto t = tensor.detach().to(torch::kCPU).contiguous();
     const auto dtype = safetensors_dtype(t.scalar_type());
     MEMTRAIN_CHECK(!dtype.empty(), Error, "[safetensors] cannot save dtype ", t.scalar_type(), " of '", name, "'");
-    const auto begin = data.size();
-    data.append(static_cast<const char*>(t.data_ptr()), t.numel() * t.element_size());
-    header[name] = {{"dtype", dtype}, {"shape", t.sizes().vec()}, {"data_offsets", {begin, data.size()}}};
+    const uint64_t n = static_cast<uint64_t>(t.numel()) * t.element_size();
+    header[name] = {{"dtype", dtype}, {"shape", t.sizes().vec()}, {"data_offsets", {offset, offset + n}}};
+    if (n > 0) data_crc = crc_of(t.data_ptr(), n, data_crc);
+    offset += n;
+    host.push_back(std::move(t));
   }
   auto meta = nlohmann::json(metadata);
-  meta["crc32"] = crc_of(data);
+  meta["crc32"] = std::to_string(data_crc);
   header["__metadata__"] = meta;
   auto text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // keep the data 8-byte aligned
   const uint64_t len = text.size();
-  std::string bytes(reinterpret_cast<const char*>(&len), 8);
-  bytes += text;
-  bytes += data;
-  write_file_atomically(path, bytes);
+  AtomicFile f(path);
+  f.write(&len, 8);
+  f.write(text.data(), text.size());
+  for (const auto& t : host)
+    if (t.numel() > 0) f.write(t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size());
+  f.finish();
+  // The whole file's CRC-32, from the header's and the data's (zlib combines them without a second pass).
+  const uint32_t head_crc = crc_of(text.data(), text.size(), crc_of(&len, 8));
+  return {8 + len + offset, static_cast<uint32_t>(crc32_combine(head_crc, data_crc, static_cast<z_off_t>(offset)))};
 }
 
 }  // namespace memtrain

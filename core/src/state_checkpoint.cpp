@@ -31,23 +31,17 @@ std::string rank_file_name(int rank) {
   return name;
 }
 
-std::string read_whole(const std::string& path) {
+// The JSON header of the safetensors file at `path`, read without its data.
+json header_of(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  MEMTRAIN_CHECK(in.good(), DataError, "[checkpoint] cannot read '", path, "'");
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
-std::string crc32_of(const std::string& bytes) {
-  return std::to_string(crc32_z(0L, reinterpret_cast<const Bytef*>(bytes.data()), bytes.size()));
-}
-
-// The JSON header of a safetensors file held in `bytes`.
-json header_of(const std::string& bytes, const std::string& path) {
   uint64_t len = 0;
-  MEMTRAIN_CHECK(bytes.size() >= 8, DataError, "[checkpoint] ", path, ": too short for a safetensors file");
-  std::memcpy(&len, bytes.data(), 8);
-  MEMTRAIN_CHECK(len <= bytes.size() - 8, DataError, "[checkpoint] ", path, ": corrupt header length");
-  return json::parse(bytes.substr(8, len));
+  in.read(reinterpret_cast<char*>(&len), 8);
+  std::error_code ec;
+  const auto size = fs::file_size(path, ec);
+  MEMTRAIN_CHECK(in.good() && !ec && len <= size - 8, DataError, "[checkpoint] ", path, ": not a safetensors file");
+  std::string text(len, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(len));
+  return json::parse(text);
 }
 
 void fsync_folder(const fs::path& dir) {
@@ -72,7 +66,7 @@ std::string checkpoint_folder(const std::string& dir, int64_t step) {
 
 std::string staging_folder(const std::string& dir, int64_t step) { return checkpoint_folder(dir, step) + ".staging"; }
 
-void write_rank_file(const std::string& staging, int rank, const std::vector<ShardPiece>& pieces) {
+SavedFile write_rank_file(const std::string& staging, int rank, const std::vector<ShardPiece>& pieces) {
   std::map<std::string, torch::Tensor> tensors;
   json index = json::object();
   for (const auto& p : pieces) {
@@ -82,20 +76,22 @@ void write_rank_file(const std::string& staging, int rank, const std::vector<Sha
                    "' given twice by rank ", rank);
     index[p.name] = {{"begin", p.begin}, {"end", p.end}, {"shape", p.full_shape}};
   }
-  save_safetensors((fs::path(staging) / rank_file_name(rank)).string(), tensors,
-                   {{"format", kFormat}, {"rank", std::to_string(rank)}, {"pieces", index.dump()}});
+  return save_safetensors((fs::path(staging) / rank_file_name(rank)).string(), tensors,
+                          {{"format", kFormat}, {"rank", std::to_string(rank)}, {"pieces", index.dump()}});
 }
 
-std::string commit_checkpoint(const std::string& dir, const CheckpointMeta& meta, int64_t keep) {
+std::string commit_checkpoint(const std::string& dir, const CheckpointMeta& meta, const std::vector<SavedFile>& saved,
+                              int64_t keep) {
+  MEMTRAIN_CHECK(saved.size() == static_cast<size_t>(meta.world_size), Error, "[checkpoint] ", saved.size(),
+                 " rank files for a world of ", meta.world_size);
   const auto staging = staging_folder(dir, meta.step);
   const auto final_dir = checkpoint_folder(dir, meta.step);
   json files = json::array(), tensors = json::object();
   for (int r = 0; r < meta.world_size; ++r) {
     const auto name = rank_file_name(r);
     const auto path = (fs::path(staging) / name).string();
-    const auto bytes = read_whole(path);  // read back: the checksum is of what reached the disk
-    files.push_back({{"name", name}, {"rank", r}, {"bytes", bytes.size()}, {"crc32", crc32_of(bytes)}});
-    const auto header = header_of(bytes, path);
+    files.push_back({{"name", name}, {"rank", r}, {"bytes", saved[r].bytes}, {"crc32", std::to_string(saved[r].crc32)}});
+    const auto header = header_of(path);
     const auto pieces = json::parse(header.at("__metadata__").at("pieces").get<std::string>());
     for (const auto& [tname, piece] : pieces.items()) {
       auto& t = tensors[tname];
@@ -184,7 +180,7 @@ CheckpointMeta read_manifest(const std::string& path) {
   MEMTRAIN_CHECK(fs::is_regular_file(file), DataError, "[checkpoint] '", path,
                  "' is not a complete checkpoint: it has no manifest.json");
   try {
-    return meta_of(json::parse(read_whole(file)), file);
+    return meta_of(json::parse(read_file_bytes(file)), file);
   } catch (const json::exception& e) {
     throw DataError(detail::concat("[checkpoint] ", file, ": malformed manifest: ", e.what()));
   }
@@ -197,7 +193,7 @@ LoadedCheckpoint load_checkpoint(const std::string& path) {
   out.meta = read_manifest(path);
   std::string where = manifest_path;
   try {
-    const auto m = json::parse(read_whole(manifest_path));
+    const auto m = json::parse(read_file_bytes(manifest_path));
     // 1. Every file: present, of its size, with its checksum, and readable.
     std::map<std::string, std::map<std::string, torch::Tensor>> files;
     for (const auto& f : m.at("files")) {
@@ -211,12 +207,13 @@ LoadedCheckpoint load_checkpoint(const std::string& path) {
       const auto size = fs::file_size(file);
       MEMTRAIN_CHECK(size == f.at("bytes").get<uint64_t>(), DataError, "[checkpoint] ", file, ": ", size,
                      " bytes, the manifest says ", f.at("bytes").get<uint64_t>(), " (truncated or replaced)");
-      const auto crc = crc32_of(read_whole(file));
+      MEMTRAIN_CHECK(!files.count(name), DataError, "[checkpoint] ", manifest_path, ": file '", name, "' listed twice");
+      const auto bytes = read_file_bytes(file);  // read once: checksum, then tensors
+      const auto crc = std::to_string(crc32_of(bytes));
       MEMTRAIN_CHECK(crc == f.at("crc32").get<std::string>(), DataError, "[checkpoint] ", file,
                      ": checksum mismatch (crc32 ", crc, ", the manifest says ", f.at("crc32").get<std::string>(),
                      "): the file is corrupt");
-      MEMTRAIN_CHECK(files.emplace(name, load_safetensors(file)).second, DataError, "[checkpoint] ", manifest_path,
-                     ": file '", name, "' listed twice");
+      files.emplace(name, parse_safetensors(bytes, file));
     }
     where = manifest_path;
     // 2. Every tensor: its pieces exist with the right size and dtype and cover it exactly once.

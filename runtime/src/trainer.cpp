@@ -529,6 +529,21 @@ void Trainer::fit() {
     if (resumed) metrics << nlohmann::json({{"event", "resumed"}, {"step", step_}, {"checkpoint", resumed_from_}}).dump() << "\n";
   }
 
+  // A training-state save, with its size and speed on one line (rank 0: all ranks' files).
+  auto save_and_say = [&] {
+    const auto begin = std::chrono::steady_clock::now();
+    const auto folder = save_checkpoint();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+    if (main) {
+      std::uintmax_t bytes = 0;
+      std::error_code ec;
+      for (const auto& e : fs::directory_iterator(folder, ec)) bytes += e.is_regular_file() ? e.file_size() : 0;
+      std::cout << (bar ? "\n" : "") << "checkpoint: step " << step_ << " saved to " << folder << " ("
+                << format_bytes(static_cast<int64_t>(bytes)) << " in " << std::fixed << std::setprecision(3) << s << " s)\n" << std::defaultfloat
+                << std::flush;
+    }
+    return folder;
+  };
   const double samples_per_step = static_cast<double>(t.micro_batch * t.accum_steps * world_.world_size);
   const double tokens_per_step = samples_per_step * static_cast<double>(model_->tokens_per_sample());
   auto last_time = std::chrono::steady_clock::now();
@@ -596,9 +611,9 @@ void Trainer::fit() {
       if (main) std::cout << (bar ? "\n" : "") << "eval step " << step_ << ": val loss " << std::fixed
                           << std::setprecision(4) << e.loss << "\n" << std::flush;
     }
-    if (config_.checkpoint.every > 0 && step_ % config_.checkpoint.every == 0 && step_ < t.steps) save_checkpoint();
+    if (config_.checkpoint.every > 0 && step_ % config_.checkpoint.every == 0 && step_ < t.steps) save_and_say();
     if (stop_requested()) {  // every rank: a collective
-      const auto where = last_saved_step_ == step_ ? checkpoint_folder(ckpt_dir_, step_) : save_checkpoint();
+      const auto where = last_saved_step_ == step_ ? checkpoint_folder(ckpt_dir_, step_) : save_and_say();
       stopped_by_signal_ = true;
       if (main) {
         const int sig = detail::StopSignals::received();
@@ -611,7 +626,7 @@ void Trainer::fit() {
   }
   if (bar && main) std::cout << "\n";
   // The final training state first: a failure in the evaluations below loses nothing.
-  if (config_.checkpoint.save_final && last_saved_step_ != step_) save_checkpoint();
+  if (config_.checkpoint.save_final && last_saved_step_ != step_) save_and_say();
 
   nlohmann::json summary = {{"steps", step_}, {"final_train_loss", last_loss}, {"world_size", world_.world_size}};
   if (first_step >= 0 && step_ > first_step) {  // throughput after the first step, all ranks together

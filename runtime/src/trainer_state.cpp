@@ -3,7 +3,9 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <csignal>
+#include <iomanip>
 #include <filesystem>
 #include <iostream>
 #include <set>
@@ -125,8 +127,21 @@ std::string Trainer::save_checkpoint() {
       fs::create_directories(staging);
     });
   fail_unless_all("creating its folder");
-  attempt([&] { write_rank_file(staging, world_.rank, state_pieces()); });
+  SavedFile mine;
+  attempt([&] { mine = write_rank_file(staging, world_.rank, state_pieces()); });
   fail_unless_all("writing the ranks' files");
+  // Rank 0 writes every file's size and checksum into the manifest: two int64 per rank, all-gathered.
+  std::vector<SavedFile> files(static_cast<size_t>(world_.world_size));
+  if (dp_) {
+    auto local = torch::tensor({static_cast<int64_t>(mine.bytes), static_cast<int64_t>(mine.crc32)}, torch::kLong).to(device_);
+    auto all = torch::empty({2 * world_.world_size}, local.options());
+    dp_->group_all_gather(all, local);
+    const auto host = all.cpu();
+    for (int r = 0; r < world_.world_size; ++r)
+      files[r] = {static_cast<uint64_t>(host[2 * r].item<int64_t>()), static_cast<uint32_t>(host[2 * r + 1].item<int64_t>())};
+  } else {
+    files[0] = mine;
+  }
   std::string folder = checkpoint_folder(ckpt_dir_, step_);
   if (main) attempt([&] {
       CheckpointMeta meta;
@@ -139,7 +154,7 @@ std::string Trainer::save_checkpoint() {
                      {"precision", config_.train.precision}};
       if (policy_.mode == CheckpointPolicy::Mode::kBudget && !policy_.blocks.empty())
         meta.fields["recompute_plan"] = plan_text(policy_.blocks);
-      folder = commit_checkpoint(ckpt_dir_, meta, config_.checkpoint.keep);
+      folder = commit_checkpoint(ckpt_dir_, meta, files, config_.checkpoint.keep);
     });
   fail_unless_all("writing the manifest");
   last_saved_step_ = step_;
@@ -147,6 +162,7 @@ std::string Trainer::save_checkpoint() {
 }
 
 void Trainer::load_checkpoint(const std::string& path) {
+  const auto begin = std::chrono::steady_clock::now();
   const auto ck = ::memtrain::load_checkpoint(path);
   const auto& T = ck.tensors;
   const auto& fields = ck.meta.fields;
@@ -236,7 +252,10 @@ void Trainer::load_checkpoint(const std::string& path) {
 
   if (world_.is_main()) {
     std::cout << "resumed:    step " << step_ << " from " << path << " (saved by " << ck.meta.world_size
-              << (ck.meta.world_size == 1 ? " rank" : " ranks") << ", ZeRO stage " << ck.meta.zero_stage << ")\n";
+              << (ck.meta.world_size == 1 ? " rank" : " ranks") << ", ZeRO stage " << ck.meta.zero_stage << "; read and checked in "
+              << std::fixed << std::setprecision(3)
+              << std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count() << " s)\n"
+              << std::defaultfloat;
     if (scaler_ && !T.count("scaler/scale")) std::cout << "            (no loss-scaler state in it: the scale starts afresh)\n";
     // Settings that change the training itself and differ from the checkpoint's: said, not refused.
     const auto before = ini_values(field("config")), now = ini_values(config_.to_ini());

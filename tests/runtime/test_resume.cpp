@@ -169,9 +169,11 @@ std::string two_rank_checkpoint(const std::string& dir, int64_t step = 5) {
   auto a = torch::arange(10, torch::kFloat), b = torch::arange(6, torch::kFloat).reshape({2, 3});
   const auto staging = staging_folder(dir, step);
   fs::create_directories(staging);
-  write_rank_file(staging, 0, {{"model/a", {10}, 0, 4, a.slice(0, 0, 4)}, {"model/b", {2, 3}, 0, 6, b.reshape({-1})}});
-  write_rank_file(staging, 1, {{"model/a", {10}, 4, 10, a.slice(0, 4, 10)}});
-  return commit_checkpoint(dir, {.step = step, .world_size = 2, .zero_stage = 1, .fields = {{"config", ""}}}, 3);
+  std::vector<SavedFile> files;
+  files.push_back(write_rank_file(
+      staging, 0, {{"model/a", {10}, 0, 4, a.slice(0, 0, 4)}, {"model/b", {2, 3}, 0, 6, b.reshape({-1})}}));
+  files.push_back(write_rank_file(staging, 1, {{"model/a", {10}, 4, 10, a.slice(0, 4, 10)}}));
+  return commit_checkpoint(dir, {.step = step, .world_size = 2, .zero_stage = 1, .fields = {{"config", ""}}}, files, 3);
 }
 
 void flip_byte(const std::string& file, int64_t from_end) {

@@ -8,7 +8,7 @@
 //   <dir>/latest                               "step-000100", written last
 //
 // Saving: every rank calls write_rank_file() into staging_folder(dir, step); when all have, rank 0
-// calls commit_checkpoint(), which reads the files back for their checksums, writes the manifest,
+// calls commit_checkpoint() with their sizes and checksums, which writes the manifest,
 // renames the staging folder to its final name (atomic), updates `latest` and prunes old checkpoints.
 // A staging folder never counts as a checkpoint. Loading (load_checkpoint) checks everything before
 // it returns a tensor: a flipped byte, a truncated or missing file, a manifest that does not match the
@@ -21,6 +21,8 @@
 #include <map>
 #include <string>
 #include <vector>
+
+#include "memtrain/core/safetensors.h"
 
 namespace memtrain {
 
@@ -51,11 +53,14 @@ std::string checkpoint_folder(const std::string& dir, int64_t step);
 std::string staging_folder(const std::string& dir, int64_t step);
 
 // Writes this rank's file (fsynced) into `staging`; every rank writes one, possibly with no pieces.
-void write_rank_file(const std::string& staging, int rank, const std::vector<ShardPiece>& pieces);
+// Returns its size and CRC-32, which rank 0 needs for the manifest.
+SavedFile write_rank_file(const std::string& staging, int rank, const std::vector<ShardPiece>& pieces);
 
-// Rank 0, after every rank's write_rank_file: manifest, rename, `latest`, then all but the newest
-// `keep` checkpoints (and stale staging folders) removed. Returns the checkpoint's folder.
-std::string commit_checkpoint(const std::string& dir, const CheckpointMeta& meta, int64_t keep);
+// Rank 0, after every rank's write_rank_file, with what each returned (by rank): manifest, rename,
+// `latest`, then all but the newest `keep` checkpoints (and stale staging folders) removed. Reads the
+// files' headers only. Returns the checkpoint's folder.
+std::string commit_checkpoint(const std::string& dir, const CheckpointMeta& meta, const std::vector<SavedFile>& files,
+                              int64_t keep);
 
 // The newest complete checkpoint under `dir` (`latest` if it names one, else the highest step-* folder
 // with a manifest); "" if there is none.
