@@ -20,8 +20,9 @@ RUN apt-get update -qq \
         $(grep -vE '^\s*(#|$)' scripts/packages.txt) \
  && rm -rf /var/lib/apt/lists/*
 
-# 2. The torch==2.11.0 venv and the data (Jane Austen, Fashion-MNIST), keyed by set-up and the data script.
-COPY scripts/setup.sh scripts/prepare_data.py scripts/
+# 2. The torch==2.11.0 venv and the data (Jane Austen, its BPE token files, Fashion-MNIST), keyed by set-up and
+#    the data scripts.
+COPY scripts/setup.sh scripts/prepare_data.py scripts/prepare_tokens.py scripts/
 RUN scripts/setup.sh --no-build
 
 # 3. The sources and the build.

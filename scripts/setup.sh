@@ -20,6 +20,7 @@ shopt -s inherit_errexit
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${MEMTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/memtrain}"
 TORCH_PIN="${MEMTRAIN_TORCH:-torch==2.11.0}"
+TOKENIZERS_PIN="tokenizers==0.22.1"  # Hugging Face's, for the BPE vocabularies of the GPT examples
 PYTHON="${MEMTRAIN_PYTHON_BASE:-python3}"
 DATA="$CACHE/data"
 BUILD="${MEMTRAIN_BUILD:-$ROOT/build}"
@@ -134,8 +135,16 @@ case "${MEMTRAIN_CUDA:-auto}" in
   *)      die "MEMTRAIN_CUDA=${MEMTRAIN_CUDA}: expected auto, system or pip" ;;
 esac
 
-# 3. Data from Debian packages (a failure here fails the set-up).
+# Hugging Face tokenizers in the same venv (added to an existing venv once; the pin is checked each time).
+if [ "$("$VENV/bin/python" -c 'import tokenizers;print(tokenizers.__version__)' 2>/dev/null)" != "${TOKENIZERS_PIN#*==}" ]; then
+  log "installing $TOKENIZERS_PIN into $VENV"
+  "$VENV/bin/pip" install -q --disable-pip-version-check "$TOKENIZERS_PIN"
+fi
+
+# 3. Data from Debian packages (a failure here fails the set-up), and the BPE token files made from it
+#    (byte-level BPE vocabularies of 8,192 and 50,257 entries trained on the Austen corpus, once).
 "$VENV/bin/python" "$ROOT/scripts/prepare_data.py" "$DATA" | { grep -v '^prepared .*fashion-mnist$' || true; }
+"$VENV/bin/python" "$ROOT/scripts/prepare_tokens.py" "$DATA"
 
 [ "${1:-}" = "--no-build" ] && exit 0
 

@@ -83,6 +83,12 @@ std::vector<Entry> entries(Config& c) {
       entry("data.dataset", &d.dataset, choices::join(choices::dataset)),
       entry("data.path", &d.path, "text file or Fashion-MNIST folder; empty = prepared cache"),
       entry("data.val_fraction", &d.val_fraction, "fraction held out for validation, in [0, 0.5]"),
+      entry("data.tokens", &d.tokens,
+            "text: token ids instead of bytes; a prepared BPE set (austen-bpe8192 | austen-bpe50257) or the path of a "
+            "token file (llm.c's .bin or headerless uint16), memory-mapped; empty = byte-level"),
+      entry("data.val_tokens", &d.val_tokens, "validation token file; empty = the tail val_fraction of data.tokens"),
+      entry("data.token_format", &d.token_format,
+            choices::join(choices::token_format) + " (llmc: 256 x int32 header, magic 20240520; raw: headerless uint16)"),
       entry("train.device", &t.device, choices::join(choices::device)),
       entry("train.optimizer", &t.optimizer, choices::join(choices::optimizer) + " (adamw: ATen's fused kernel; adamw_loop: LibTorch's per-parameter AdamW)"),
       entry("train.lr", &t.lr, "peak learning rate"),
@@ -421,6 +427,9 @@ void Config::validate() const {
     }
   }
   check_one_of("data.dataset", data.dataset, choices::dataset);
+  check_one_of("data.token_format", data.token_format, choices::token_format);
+  MEMTRAIN_CHECK(data.tokens.empty() || data.dataset == "text", ConfigError, "[config] data.tokens = ", data.tokens,
+                 " needs data.dataset = text (token ids for a GPT), got ", data.dataset);
   check_range("data.val_fraction", data.val_fraction, data.val_fraction >= 0 && data.val_fraction <= 0.5, "in [0, 0.5]");
   check_one_of("train.device", train.device, choices::device);
   check_one_of("train.optimizer", train.optimizer, choices::optimizer);

@@ -4,25 +4,74 @@
 //   memtrain --help                      every key, its default and what it does
 //   memtrain --config X --print-config   the resolved config, without training
 //   memtrain --print-config-reference    the Markdown page docs/config-reference.md
+//   memtrain --config X --generate N --weights W [--prompt-ids 1,2,3] [--temperature T] [--top-k K]
+//                                        N token ids sampled from a trained GPT (scripts/sample.py
+//                                        turns text into the prompt's ids and the ids back into text)
 //
 // Launched once per device, torchrun-style (RANK, WORLD_SIZE, LOCAL_RANK, ... from the environment).
 #include <signal.h>
 
 #include <iostream>
+#include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "memtrain/core/config.h"
 #include "memtrain/core/cpu_memory.h"
 #include "memtrain/core/error.h"
+#include "memtrain/core/safetensors.h"
 #include "memtrain/distributed/world.h"
+#include "memtrain/runtime/factories.h"
+#include "memtrain/runtime/generate.h"
 #include "memtrain/runtime/trainer.h"
 
 namespace {
 constexpr const char* kUsage =
     "usage: memtrain [--config FILE.ini] [--section.key=value ...] [--print-config] [--print-config-reference]\n"
     "Trains the model the config describes; without --config, the defaults below (a small byte-level GPT on\n"
-    "the prepared Jane Austen text, on the CPU). A key given twice: the last value wins.\n";
+    "the prepared Jane Austen text, on the CPU). A key given twice: the last value wins.\n"
+    "Sampling: memtrain --config X --generate N --weights FILE.safetensors [--prompt-ids 1,2,3] [--temperature T]\n"
+    "[--top-k K] prints N token ids continuing the prompt (default: token 0).\n";
+
+// "1,2,3" -> {1, 2, 3}.
+std::vector<int64_t> parse_ids(const std::string& text) {
+  std::vector<int64_t> ids;
+  std::stringstream ss(text);
+  for (std::string item; std::getline(ss, item, ',');) {
+    size_t used = 0;
+    int64_t v = -1;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+    }
+    if (used != item.size() || v < 0) throw memtrain::ConfigError("--prompt-ids: '" + item + "' is not a token id");
+    ids.push_back(v);
+  }
+  return ids;
+}
+
+int sample(const memtrain::Config& config, const std::map<std::string, std::string>& flags) {
+  auto data = memtrain::make_dataset(config, {});
+  auto model = memtrain::make_model(config.model, data->info());
+  auto weights = flags.find("--weights");
+  MEMTRAIN_CHECK(weights != flags.end(), memtrain::ConfigError, "--generate needs --weights FILE.safetensors");
+  memtrain::load_module_state(*model, memtrain::load_safetensors(weights->second), weights->second);
+  memtrain::GenerateOptions o;
+  o.tokens = std::stoll(flags.at("--generate"));
+  if (flags.count("--temperature")) o.temperature = std::stod(flags.at("--temperature"));
+  if (flags.count("--top-k")) o.top_k = std::stoll(flags.at("--top-k"));
+  o.seed = static_cast<uint64_t>(config.train.seed);
+  const auto prompt = flags.count("--prompt-ids") ? parse_ids(flags.at("--prompt-ids")) : std::vector<int64_t>{0};
+  for (auto id : prompt)
+    MEMTRAIN_CHECK(id < data->info().vocab_size, memtrain::ConfigError, "--prompt-ids: id ", id,
+                   " is outside the vocabulary of ", data->info().vocab_size);
+  const auto ids = memtrain::generate(*model, memtrain::gpt_block_size(config.model), prompt, o);
+  std::cout << "ids:";
+  for (auto id : ids) std::cout << " " << id;
+  std::cout << "\n";
+  return 0;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -34,6 +83,7 @@ int main(int argc, char** argv) {
   signal(SIGXFSZ, SIG_IGN);
   std::string config_path;
   std::vector<std::string> overrides;
+  std::map<std::string, std::string> sampling;  // --generate and its flags
   bool print_only = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -47,6 +97,9 @@ int main(int argc, char** argv) {
     }
     if (a == "--print-config") {
       print_only = true;
+    } else if ((a == "--generate" || a == "--weights" || a == "--prompt-ids" || a == "--temperature" || a == "--top-k") &&
+               i + 1 < argc) {
+      sampling[a] = argv[++i];
     } else if (a == "--config" && i + 1 < argc) {
       config_path = argv[++i];
     } else if (a.rfind("--config=", 0) == 0) {
@@ -63,6 +116,8 @@ int main(int argc, char** argv) {
       std::cout << config.to_ini();
       return 0;
     }
+    if (sampling.count("--generate")) return sample(config, sampling);
+    MEMTRAIN_CHECK(sampling.empty(), memtrain::ConfigError, sampling.begin()->first, " is for --generate");
     memtrain::Trainer trainer(config);
     trainer.fit();
     return 0;

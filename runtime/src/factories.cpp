@@ -19,10 +19,11 @@ namespace {
   throw Error(detail::concat("[factory] ", key, " = '", value, "' is listed in choices:: but not built here"));
 }
 
+}  // namespace
+
 int64_t gpt_block_size(const ModelConfig& c) {
   return c.preset == "custom" ? c.block_size : GPTOptions::preset(c.preset).block_size;
 }
-}  // namespace
 
 std::shared_ptr<Model> make_model(const ModelConfig& c, const DataInfo& data) {
   if (c.name == "gpt") {
@@ -65,6 +66,14 @@ std::unique_ptr<Dataset> make_dataset(const Config& c, const Shard& shard) {
                    c.model.name, "'");
     TextDataOptions o;
     o.path = d.path.empty() ? (fs::path(default_data_dir()) / "text" / "austen.txt").string() : d.path;
+    o.tokens = d.tokens, o.val_tokens = d.val_tokens, o.token_format = d.token_format;
+    o.vocab_size = c.model.vocab_size;
+    if (!d.tokens.empty() && d.tokens.find('/') == std::string::npos && !fs::path(d.tokens).has_extension()) {
+      // A prepared set: set-up's folder with train.bin and val.bin.
+      const auto set = fs::path(default_data_dir()) / "tokens" / d.tokens;
+      o.tokens = (set / "train.bin").string();
+      if (d.val_tokens.empty()) o.val_tokens = (set / "val.bin").string();
+    }
     o.block_size = gpt_block_size(c.model);
     o.val_fraction = d.val_fraction, o.seed = c.train.seed, o.accum_steps = c.train.accum_steps;
     return make_text_dataset(o, shard);

@@ -467,6 +467,16 @@ void Trainer::save_weights(const std::string& path) const {
 
 namespace {
 
+// 42s, 3m10s, 1h02m.
+std::string duration_text(double seconds) {
+  const auto s = static_cast<int64_t>(seconds + 0.5);
+  char buf[32];
+  if (s < 60) std::snprintf(buf, sizeof buf, "%llds", static_cast<long long>(s));
+  else if (s < 3600) std::snprintf(buf, sizeof buf, "%lldm%02llds", static_cast<long long>(s / 60), static_cast<long long>(s % 60));
+  else std::snprintf(buf, sizeof buf, "%lldh%02lldm", static_cast<long long>(s / 3600), static_cast<long long>(s / 60 % 60));
+  return buf;
+}
+
 std::string si(double v) {
   std::ostringstream os;
   const char* suffix = "";
@@ -552,9 +562,27 @@ void Trainer::fit() {
   auto first_step_end = last_time;
   int64_t first_step = -1;
   double last_loss = std::numeric_limits<double>::quiet_NaN();
+  const auto run_start = last_time;
+  const int64_t start_step = step_;
+  std::string last_metrics;  // the bar shows the last logged values beside the live step count
   while (step_ < t.steps) {
     auto r = step();
     const bool last = step_ == t.steps;
+    // Elapsed time of this process and the time left at the pace of the steps after the first (which
+    // allocates the optimizer's state); no host read of the device here.
+    const auto now_step = std::chrono::steady_clock::now();
+    const double elapsed = std::chrono::duration<double>(now_step - run_start).count();
+    std::string eta = "?";
+    if (step_ - start_step >= 2) {
+      const double per_step = elapsed / static_cast<double>(step_ - start_step);
+      eta = duration_text(per_step * static_cast<double>(t.steps - step_));
+    }
+    const std::string timing = "elapsed " + duration_text(elapsed) + " | ETA " + eta;
+    auto draw_bar = [&] {
+      const int width = 20, filled = static_cast<int>(width * step_ / t.steps);
+      std::cout << "\r[" << std::string(filled, '#') << std::string(width - filled, '.') << "] step " << step_ << "/"
+                << t.steps << " | " << timing << last_metrics << "\033[K" << std::flush;
+    };
     if (step_ % config_.log.every == 0 || last || step_ == 1) {
       // Host reads happen here only, every log.every steps.
       if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
@@ -586,8 +614,7 @@ void Trainer::fit() {
       metrics << j.dump() << "\n" << std::flush;
       if (main) {
         std::ostringstream line;
-        line << "step " << std::setw(5) << step_ << "/" << t.steps << " | loss " << std::fixed << std::setprecision(4)
-             << last_loss << " | lr " << std::scientific << std::setprecision(2) << r.lr << " | grad norm (pre-clip) "
+        line << " | loss " << std::fixed << std::setprecision(4) << last_loss << " | lr " << std::scientific << std::setprecision(2) << r.lr << " | grad norm (pre-clip) "
              << std::fixed << std::setprecision(3) << norm << " | " << std::setprecision(1) << ms << " ms/step | "
              << si(model_->tokens_per_sample() > 1 ? tokens_per_step * 1000 / ms : samples_per_step * 1000 / ms)
              << (model_->tokens_per_sample() > 1 ? " tok/s" : " samples/s");
@@ -596,15 +623,13 @@ void Trainer::fit() {
           line << " | peak " << m.device << " " << format_bytes(m.peak_allocated) << " (" << phase_name(m.peak_phase)
                << ")";
         if (scaler_) line << " | scale " << scaler_->current_scale() << (r.applied ? "" : " SKIPPED (inf/NaN)");
-        if (bar) {
-          const int width = 20, filled = static_cast<int>(width * step_ / t.steps);
-          std::cout << "\r[" << std::string(filled, '#') << std::string(width - filled, '.') << "] " << line.str()
-                    << "\033[K" << std::flush;
-        } else {
-          std::cout << line.str() << "\n" << std::flush;
-        }
+        last_metrics = line.str();
+        if (!bar)
+          std::cout << "step " << std::setw(5) << step_ << "/" << t.steps << last_metrics << " | " << timing << "\n"
+                    << std::flush;
       }
     }
+    if (bar && main) draw_bar();  // every step on a terminal
     if (t.eval_every > 0 && step_ % t.eval_every == 0 && !last) {
       auto e = evaluate(data_->val_batches(t.micro_batch, t.eval_batches));
       metrics << nlohmann::json({{"step", step_}, {"val_loss", e.loss}}).dump() << "\n" << std::flush;

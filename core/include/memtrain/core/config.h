@@ -30,6 +30,7 @@ inline constexpr std::array<std::string_view, 3> backend{"auto", "gloo", "nccl"}
 inline constexpr std::array<std::string_view, 2> dist_reduce{"step", "micro_batch"};
 inline constexpr std::array<std::string_view, 3> progress{"auto", "bar", "lines"};
 inline constexpr std::array<std::string_view, 2> oom{"retry", "fail"};
+inline constexpr std::array<std::string_view, 2> token_format{"llmc", "raw"};
 inline constexpr std::array<std::string_view, 2> on_nonfinite{"skip", "stop"};
 
 // "a | b | c", for messages and help.
@@ -64,6 +65,11 @@ struct DataConfig {
   std::string dataset = "text";  // text | fashion_mnist | synthetic
   std::string path = "";         // file (text) or folder (fashion_mnist); "" = prepared cache
   double val_fraction = 0.1;     // held out from the training data for evaluation
+  // text: train on token ids instead of bytes. A prepared set's name (austen-bpe8192, austen-bpe50257:
+  // set-up's BPE vocabularies, with their own validation file) or a token file's path.
+  std::string tokens = "";
+  std::string val_tokens = "";   // the validation token file; "" = the tail val_fraction of `tokens`
+  std::string token_format = "llmc";  // llmc (llm.c's header) | raw (headerless uint16, nanoGPT's)
 };
 
 struct TrainOptions {

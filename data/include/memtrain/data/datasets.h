@@ -44,9 +44,16 @@ class Dataset {
 // The prepared-data folder: $MEMTRAIN_DATA if set, else the one the build was configured with.
 std::string default_data_dir();
 
-// Byte-level language modelling on a text file: vocabulary 256, windows of block_size + 1 bytes.
+// Language modelling, windows of block_size + 1 tokens: byte-level on a text file (vocabulary 256), or
+// on a token file, memory-mapped (llm.c's .bin: a 256 x int32 header with magic 20240520, version 1 =
+// uint16 / 2 = uint32 tokens, the count; or headerless uint16, nanoGPT's). Bad token files are
+// DataErrors: wrong magic or version, a count that does not match the size, an id >= the vocabulary.
 struct TextDataOptions {
-  std::string path;             // the corpus; see default_data_dir() for the prepared one
+  std::string path;             // the corpus (byte-level); see default_data_dir() for the prepared one
+  std::string tokens;           // a token file instead of path's bytes ("" = byte-level)
+  std::string val_tokens;       // its validation tokens ("" = the tail val_fraction of `tokens`)
+  std::string token_format = "llmc";  // llmc | raw
+  int64_t vocab_size = 0;       // token files: 0 = from the llm.c header's slot 3 (memtrain's files)
   int64_t block_size = 128;     // tokens per sample
   double val_fraction = 0.1;    // the tail held out for validation
   int64_t seed = 1337;

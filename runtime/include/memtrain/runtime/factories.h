@@ -20,6 +20,8 @@ namespace memtrain {
 std::shared_ptr<Model> make_model(const ModelConfig& config, const DataInfo& data);
 // data.dataset (choices::dataset); the GPT's context length from [model].
 std::unique_ptr<Dataset> make_dataset(const Config& config, const Shard& shard);
+// The GPT's context length: model.block_size, or its preset's.
+int64_t gpt_block_size(const ModelConfig& config);
 // train.optimizer (choices::optimizer) and its hyper-parameters.
 OptimizerOptions optimizer_options(const TrainOptions& train);
 
