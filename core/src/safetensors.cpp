@@ -4,6 +4,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <cerrno>
 
 #include <cstring>
@@ -35,6 +36,11 @@ std::string safetensors_dtype(c10::ScalarType type) {
   for (const auto& [name, t] : dtypes())
     if (t == type) return name;
   return "";
+}
+
+std::optional<c10::ScalarType> safetensors_scalar_type(const std::string& name) {
+  auto it = dtypes().find(name);
+  return it == dtypes().end() ? std::nullopt : std::optional<c10::ScalarType>(it->second);
 }
 
 void write_file_atomically(const std::string& path, const std::string& bytes) {
@@ -101,11 +107,18 @@ std::map<std::string, torch::Tensor> load_safetensors(const std::string& path) {
                      "' has unsupported dtype ", v.at("dtype").get<std::string>());
       auto shape = v.at("shape").get<std::vector<int64_t>>();
       auto range = v.at("data_offsets").get<std::vector<uint64_t>>();
-      uint64_t numel = 1;
+      // numel must fit the data; `extent` (the product with zeros taken as 1, which LibTorch's strides
+      // reach even when numel is 0) must fit an int64_t: shape [0, 2^62, 2^62] has no elements, but
+      // torch::empty refuses it with a c10::Error.
+      uint64_t numel = 1, extent = 1;
       for (auto d : shape) {
-        MEMTRAIN_CHECK(d >= 0 && (d == 0 || numel <= data_len / static_cast<uint64_t>(d)), DataError, "[safetensors] ",
-                       path, ": tensor '", name, "' has an impossible shape ", c10::IntArrayRef(shape));
+        const auto span = static_cast<uint64_t>(std::max<int64_t>(d, 1));
+        MEMTRAIN_CHECK(d >= 0 && (d == 0 || numel <= data_len / static_cast<uint64_t>(d)) &&
+                           extent <= static_cast<uint64_t>(INT64_MAX) / span,
+                       DataError, "[safetensors] ", path, ": tensor '", name, "' has an impossible shape ",
+                       c10::IntArrayRef(shape), " for ", data_len, " data bytes");
         numel *= static_cast<uint64_t>(d);
+        extent *= span;
       }
       const uint64_t nbytes = numel * c10::elementSize(dt->second);
       MEMTRAIN_CHECK(range.size() == 2 && range[0] <= range[1] && range[1] <= data_len && range[1] - range[0] == nbytes,
