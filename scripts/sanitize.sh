@@ -66,8 +66,19 @@ for f in "$LOGS"/*; do
   echo "sanitizer report $f:"
   grep -m1 -E 'ERROR: AddressSanitizer|runtime error:|ERROR: [A-Za-z]+Sanitizer' "$f" | sed 's/^/  /'
   grep -m1 -E '^SUMMARY:' "$f" | sed 's/^/  /' || true
-  # The innermost frames in memtrain's own sources.
-  grep -E '^ *#[0-9]+ ' "$f" | grep -F "$ROOT/" | head -n 3 | sed 's/^ */  /' || true
+  # The innermost frames in memtrain's own sources (the build names them ../core/src/..., ../tests/...).
+  grep -E '^ *#[0-9]+ ' "$f" | grep -E " (\.\./|$ROOT/)(core|models|data|optim|distributed|runtime|tests|bench|examples)/" |
+    head -n 3 | sed 's/^ */  /' || true
 done
+# UBSan in a process that also has ASan writes to stderr whatever log_path says: those reports are in
+# the tests' output, one "file:line:col: runtime error: ..." line each (counted once per place).
+ubsan="$(grep -hoE '[^ ]+:[0-9]+:[0-9]+: runtime error: .*' "$BUILD/ctest.log" "$LOGS"/* 2>/dev/null | sort | uniq -c || true)"
+if [ -n "$ubsan" ]; then
+  echo "UndefinedBehaviorSanitizer reports (times seen, place, what):"
+  echo "$ubsan" | sed 's/^ */  /'
+  reports=$((reports + $(echo "$ubsan" | wc -l)))
+fi
+asan_inline="$(grep -c 'ERROR: AddressSanitizer' "$BUILD/ctest.log" || true)"
+[ "$asan_inline" -eq 0 ] || { echo "AddressSanitizer reports in the tests' output: $asan_inline (see $BUILD/ctest.log)"; reports=$((reports + asan_inline)); }
 echo "sanitizer reports: $reports"
 [ "$reports" -eq 0 ] && [ "$status" -eq 0 ]

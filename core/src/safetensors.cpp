@@ -126,7 +126,8 @@ std::map<std::string, torch::Tensor> load_safetensors(const std::string& path) {
                      range.empty() ? 0 : range[0], ", ", range.size() < 2 ? 0 : range[1], ") of ", data_len,
                      "; its shape needs ", nbytes);
       auto t = torch::empty(shape, torch::TensorOptions().dtype(dt->second));
-      std::memcpy(t.data_ptr(), data.data() + range[0], nbytes);
+      // An empty tensor's data_ptr() is null, and memcpy from or to null is undefined even for 0 bytes.
+      if (nbytes > 0) std::memcpy(t.data_ptr(), data.data() + range[0], nbytes);
       out.emplace(name, t);
     }
   } catch (const nlohmann::json::exception& e) {

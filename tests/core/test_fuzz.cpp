@@ -3,7 +3,9 @@
 // input, mutates it thousands of times with a seeded generator and requires every input to be either
 // accepted or refused with a memtrain::Error: any other exception (a std::out_of_range, an nlohmann
 // or c10 exception, std::bad_alloc) is a failure that names the iteration, the seed, the mutations and
-// the input. Crashes and hangs fail the test run itself (CTest gives these tests a short TIMEOUT).
+// the input. Crashes and hangs fail the test run itself (CTest gives these tests a short TIMEOUT); the
+// input that crashed stays on disk, since the temporary folder is removed only by a normal exit
+// (/tmp/memtrain-test-<pid>-<n>/fuzz.ini, fuzz.safetensors or fuzz/).
 //
 // Every iteration draws from its own generator, seeded by (seed, iteration): one failing iteration is
 // reproduced alone with MEMTRAIN_FUZZ_SEED=S --gtest_filter=Fuzz.X, and a longer hunt runs with
