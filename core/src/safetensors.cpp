@@ -90,6 +90,11 @@ std::string safetensors_dtype(c10::ScalarType type) {
   return "";
 }
 
+std::optional<c10::ScalarType> safetensors_scalar_type(const std::string& name) {
+  auto it = dtypes().find(name);
+  return it == dtypes().end() ? std::nullopt : std::optional<c10::ScalarType>(it->second);
+}
+
 void write_file_atomically(const std::string& path, const std::string& bytes) {
   AtomicFile f(path);
   f.write(bytes.data(), bytes.size());
@@ -143,11 +148,18 @@ std::map<std::string, torch::Tensor> parse_safetensors(const std::string& bytes,
                      "' has unsupported dtype ", v.at("dtype").get<std::string>());
       auto shape = v.at("shape").get<std::vector<int64_t>>();
       auto range = v.at("data_offsets").get<std::vector<uint64_t>>();
-      uint64_t numel = 1;
+      // numel must fit the data; `extent` (the product with zeros taken as 1, which LibTorch's strides
+      // reach even when numel is 0) must fit an int64_t: shape [0, 2^62, 2^62] has no elements, but
+      // torch::empty refuses it with a c10::Error.
+      uint64_t numel = 1, extent = 1;
       for (auto d : shape) {
-        MEMTRAIN_CHECK(d >= 0 && (d == 0 || numel <= data_len / static_cast<uint64_t>(d)), DataError, "[safetensors] ",
-                       path, ": tensor '", name, "' has an impossible shape ", c10::IntArrayRef(shape));
+        const auto span = static_cast<uint64_t>(std::max<int64_t>(d, 1));
+        MEMTRAIN_CHECK(d >= 0 && (d == 0 || numel <= data_len / static_cast<uint64_t>(d)) &&
+                           extent <= static_cast<uint64_t>(INT64_MAX) / span,
+                       DataError, "[safetensors] ", path, ": tensor '", name, "' has an impossible shape ",
+                       c10::IntArrayRef(shape), " for ", data_len, " data bytes");
         numel *= static_cast<uint64_t>(d);
+        extent *= span;
       }
       const uint64_t nbytes = numel * c10::elementSize(dt->second);
       MEMTRAIN_CHECK(range.size() == 2 && range[0] <= range[1] && range[1] <= data_len && range[1] - range[0] == nbytes,
@@ -155,6 +167,7 @@ std::map<std::string, torch::Tensor> parse_safetensors(const std::string& bytes,
                      range.empty() ? 0 : range[0], ", ", range.size() < 2 ? 0 : range[1], ") of ", data_len,
                      "; its shape needs ", nbytes);
       auto t = torch::empty(shape, torch::TensorOptions().dtype(dt->second));
+      // An empty tensor's data_ptr() is null, and memcpy from or to null is undefined even for 0 bytes.
       if (nbytes > 0) std::memcpy(t.data_ptr(), data + range[0], nbytes);
       out.emplace(name, t);
     }

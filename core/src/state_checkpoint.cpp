@@ -220,11 +220,15 @@ LoadedCheckpoint load_checkpoint(const std::string& path) {
     std::map<std::string, size_t> used;  // file/tensor -> times named by the manifest
     for (const auto& [name, t] : m.at("tensors").items()) {
       const auto shape = t.at("shape").get<std::vector<int64_t>>();
-      int64_t numel = 1;
+      // At most 2^40 elements, and the product with zeros taken as 1 (which LibTorch's strides reach even
+      // for an empty tensor: [0, 2^62, 2^62]) too.
+      int64_t numel = 1, extent = 1;
       for (auto d : shape) {
-        MEMTRAIN_CHECK(d >= 0 && (d == 0 || numel <= (int64_t{1} << 40) / d), DataError, "[checkpoint] ",
-                       manifest_path, ": tensor '", name, "' has an impossible shape");
+        const int64_t span = std::max<int64_t>(d, 1);
+        MEMTRAIN_CHECK(d >= 0 && extent <= (int64_t{1} << 40) / span, DataError, "[checkpoint] ", manifest_path,
+                       ": tensor '", name, "' has an impossible shape ", t.at("shape").dump());
         numel *= d;
+        extent *= span;
       }
       std::vector<std::tuple<int64_t, int64_t, torch::Tensor, std::string>> pieces;
       for (const auto& p : t.at("pieces")) {
@@ -256,14 +260,19 @@ LoadedCheckpoint load_checkpoint(const std::string& path) {
       MEMTRAIN_CHECK(covered == numel, DataError, "[checkpoint] ", path, ": tensor '", name, "' is covered up to element ",
                      covered, " of ", numel, ": a shard is missing");
       torch::Tensor full;
-      if (pieces.size() == 1) {
+      if (pieces.empty()) {  // an empty tensor that no file holds (covered == numel == 0)
+        const auto dtype = safetensors_scalar_type(t.at("dtype").get<std::string>());
+        MEMTRAIN_CHECK(dtype.has_value(), DataError, "[checkpoint] ", manifest_path, ": tensor '", name,
+                       "' has unknown dtype ", t.at("dtype").dump());
+        full = torch::empty(shape, torch::TensorOptions().dtype(*dtype));
+      } else if (pieces.size() == 1) {
         full = std::get<2>(pieces.front());
       } else {
         std::vector<torch::Tensor> parts;
         for (const auto& piece : pieces) parts.push_back(std::get<2>(piece));
         full = torch::cat(parts);
       }
-      out.tensors.emplace(name, pieces.empty() ? torch::empty(shape) : full.reshape(shape));
+      out.tensors.emplace(name, full.reshape(shape));
     }
     // 3. Nothing in the files that the manifest does not know about.
     for (const auto& [file, tensors] : files)

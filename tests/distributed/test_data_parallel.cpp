@@ -341,7 +341,7 @@ TEST(DataParallel, BucketIndexCoversEveryParameterOnceAsViews) {
   std::set<std::string> seen;
   for (const auto& slot : dp.index()) {
     EXPECT_TRUE(seen.insert(slot.name).second) << slot.name;
-    const auto& p = gpt->named_parameters()[slot.name];
+    const auto p = gpt->named_parameters()[slot.name];  // a copy: the OrderedDict is a temporary
     EXPECT_EQ(slot.shape, p.sizes().vec()) << slot.name;
     const auto& flat = dp.bucket_parameters(slot.bucket);
     // The parameter is a view of its bucket at the recorded offset, with its values unchanged.

@@ -7,6 +7,7 @@
 #include <torch/types.h>
 
 #include <map>
+#include <optional>
 #include <string>
 
 namespace memtrain {
@@ -16,6 +17,8 @@ std::map<std::string, torch::Tensor> load_safetensors(const std::string& path);
 std::map<std::string, torch::Tensor> parse_safetensors(const std::string& bytes, const std::string& path);
 // The format's name of a dtype ("F32", "BF16", ...); "" for one it cannot hold.
 std::string safetensors_dtype(c10::ScalarType type);
+// The dtype of a name of the format ("F32" -> kFloat); nullopt for a name it does not define.
+std::optional<c10::ScalarType> safetensors_scalar_type(const std::string& name);
 // Writes `bytes` to path.tmp, fsyncs it and renames it over `path`: a crash or a full disk leaves the
 // old file (or none), never a half-written one. Throws Error naming the file on failure.
 void write_file_atomically(const std::string& path, const std::string& bytes);
