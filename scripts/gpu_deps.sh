@@ -5,7 +5,8 @@
 #   .gpu/usr/...   exactly what the build needs from this machine's packages (Boost.Program_options,
 #                  GoogleTest, nlohmann-json, zlib), at Debian's own paths, so that the packages'
 #                  CMake config files, which locate everything relative to themselves, keep working;
-#   .gpu/data/text the prepared Austen text (Fashion-MNIST, 55 MB unpacked, stays behind).
+#   .gpu/data/text the prepared Austen text, .gpu/data/tokens its BPE token files (Fashion-MNIST, 55 MB
+#                  unpacked, stays behind).
 # Files are copied with links resolved (no symbolic links travel). Idempotent: rebuilds .gpu from
 # scratch, then proves it self-sufficient with scripts/gpu_smoke, /usr being ignored.
 set -euo pipefail
@@ -22,6 +23,10 @@ put() { for f; do mkdir -p "$P$(dirname "$f")"; cp -rL "$f" "$P$f"; done; }  # /
 [ -f "$DATA/text/austen.txt" ] || { log "no $DATA/text/austen.txt: run scripts/setup.sh first"; exit 1; }
 rm -rf "$P"; mkdir -p "$P/data/text"
 cp "$DATA/text/austen.txt" "$P/data/text/"
+if [ -d "$DATA/tokens" ]; then
+  mkdir -p "$P/data/tokens"
+  for set in "$DATA"/tokens/austen-bpe*; do cp -r "$set" "$P/data/tokens/"; done
+fi
 
 # Boost.Program_options: the shared library, the config dirs, and only the headers that
 # <boost/program_options.hpp> and any other Boost header our sources name pull in (under C++17 and
