@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <nlohmann/json.hpp>
 #include <regex>
 
@@ -116,15 +117,24 @@ std::string commit_checkpoint(const std::string& dir, const CheckpointMeta& meta
     fs::rename(staging, final_dir);
   }
   fsync_folder(dir);
-  write_file_atomically((fs::path(dir) / "latest").string(), fs::path(final_dir).filename().string() + "\n");
-  // Prune: all but the newest `keep`, and staging folders of saves that never finished.
+  // The checkpoint is complete now. What follows is housekeeping: a failure is said, not thrown
+  // (find_latest_checkpoint does without `latest`, and a folder left over is removed by a later save).
+  try {
+    write_file_atomically((fs::path(dir) / "latest").string(), fs::path(final_dir).filename().string() + "\n");
+  } catch (const std::exception& e) {
+    std::cerr << "memtrain: warning: " << final_dir << " is saved, but `latest` was not updated: " << e.what() << "\n";
+  }
+  // Prune: all but the newest `keep` (never this one), and staging folders of saves that never finished.
+  std::error_code ec;
   auto all = list_checkpoints(dir);
-  for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove_all(all[i]);
-  for (const auto& e : fs::directory_iterator(dir)) {
+  for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i)
+    if (all[i] != final_dir && !fs::remove_all(all[i], ec) && ec)
+      std::cerr << "memtrain: warning: could not remove the old checkpoint " << all[i] << ": " << ec.message() << "\n";
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
     const auto n = e.path().filename().string();
     if (e.is_directory() && n.size() > 8 && n.rfind("step-", 0) == 0 && n != fs::path(staging).filename().string() &&
         (n.ends_with(".staging") || n.ends_with(".replaced")))
-      fs::remove_all(e.path());
+      fs::remove_all(e.path(), ec);
   }
   return final_dir;
 }

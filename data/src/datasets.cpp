@@ -141,7 +141,11 @@ TokenFile map_token_file(const std::string& path, const std::string& format) {
   const int fd = ::open(path.c_str(), O_RDONLY);
   MEMTRAIN_CHECK(fd >= 0, DataError, "[data] cannot open token file '", path, "': ", std::strerror(errno));
   struct stat st {};
-  ::fstat(fd, &st);
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw DataError(detail::concat("[data] cannot read the size of token file '", path, "': ", std::strerror(err)));
+  }
   const auto size = static_cast<size_t>(st.st_size);
   void* map = size > 0 ? ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0) : MAP_FAILED;
   ::close(fd);

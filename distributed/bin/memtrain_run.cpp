@@ -45,7 +45,7 @@ struct Options {
   int master_port = 29500;
   bool standalone = false;
   std::string log_dir;
-  int grace_s = 10;  // after a failure or a signal: time for the others to exit before SIGKILL
+  int grace_s = 10;  // after a rank failed: time for the others to exit before SIGKILL
   std::vector<std::string> command;
 };
 
@@ -320,9 +320,9 @@ int main(int argc, char** argv) {
       const int sig = g_signal;
       g_signal = 0;
       std::cerr << "memtrain-run: " << strsignal(sig) << ": forwarding to the ranks\n";
+      // No SIGKILL timer here: the ranks are finishing a step and saving a checkpoint, which may take
+      // longer than any grace period; a second signal is forwarded too and makes them exit at once.
       stop_all(sig == SIGHUP ? SIGTERM : sig);
-      if (!stopping) stop_time = std::chrono::steady_clock::now() + std::chrono::seconds(o.grace_s);
-      stopping = true;
       ++forwarded;
     }
     for (; handled < g_exited; ++handled) {  // in exit order

@@ -282,11 +282,22 @@ StepResult Trainer::step() {
 }
 
 void Trainer::recover_from_oom(const std::string& what) {
-  // Nothing of the abandoned step survives: its gradients and the scaler's per-step state. The optimizer
-  // did not run (FusedAdamW allocates its state before it updates anything).
+  // Nothing of the abandoned step survives: its gradients, the scaler's per-step state, and the buffers
+  // its forward passes updated (BatchNorm's running statistics, restored from the step's start).
   optimizer_->zero_grad(/*set_to_none=*/true);
   model_->zero_grad(/*set_to_none=*/true);
   if (scaler_) scaler_->discard_step();
+  if (!buffer_backup_.empty()) {
+    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> buffers;
+    for (const auto& b : model_->buffers())
+      if (b.is_floating_point()) buffers.push_back(b);
+    torch::_foreach_copy_(buffers, buffer_backup_);
+  }
+  // FusedAdamW allocates all its state before it updates anything: out of memory inside it leaves the
+  // parameters as they were. LibTorch's AdamW and SGD update parameter by parameter: not retried.
+  const bool half_updated = in_optimizer_ && dynamic_cast<FusedAdamW*>(optimizer_.get()) == nullptr;
+  in_optimizer_ = false;
   const auto measured = device_.is_cuda() || cpu_memory::installed() ? read_counters(device_) : DeviceCounters{};
   if (device_.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
   const auto& t = config_.train;
@@ -298,6 +309,7 @@ void Trainer::recover_from_oom(const std::string& what) {
         << (config_.memory.limit_mib == 0 ? " (none: the device is full)" : "");
   std::string why_not;
   if (t.oom != "retry") why_not = "train.oom = fail";
+  else if (half_updated) why_not = "it happened inside train.optimizer = " + t.optimizer + "'s update, which may have changed some parameters already (adamw, the fused one, is retried)";
   else if (dp_) why_not = "with several ranks an out-of-memory step is not retried (the other ranks are inside its collectives)";
   else if (t.micro_batch < next) why_not = "the micro-batch cannot be halved again (" + std::to_string(t.micro_batch) + " samples in " + std::to_string(split_) + " pieces)";
   MEMTRAIN_CHECK(why_not.empty(), Error, "[memory] ", facts.str(), "; stopping: ", why_not,
@@ -317,6 +329,16 @@ StepResult Trainer::attempt_step() {
   r.lr = schedule_->at(step_);
   set_learning_rate(*optimizer_, r.lr);
   if (scaler_) scaler_->discard_step();  // nothing left of an abandoned attempt
+  if (t.oom == "retry" && !dp_) {
+    // The floating buffers as the step found them, for a retry after an out-of-memory error.
+    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> buffers;
+    for (const auto& b : model_->buffers())
+      if (b.is_floating_point()) buffers.push_back(b);
+    if (buffer_backup_.size() != buffers.size())
+      for (const auto& b : buffers) buffer_backup_.push_back(torch::empty_like(b));
+    if (!buffers.empty()) torch::_foreach_copy_(buffer_backup_, buffers);
+  }
   if (dp_) {
     dp_->begin_step();  // zeroes the flat gradient buckets in place: parameters' gradients are views into them
   } else {
@@ -386,12 +408,15 @@ StepResult Trainer::attempt_step() {
                 << "stops at " << t.max_nonfinite << ")\n";
   } else if (scaler_) {
     nonfinite_run_ = 0;
+    in_optimizer_ = true;
     r.applied = scaler_->step(*optimizer_, stepped);
     scaler_->update();
   } else {
     nonfinite_run_ = 0;
+    in_optimizer_ = true;
     optimizer_->step();
   }
+  in_optimizer_ = false;
   if (r.applied && !master_.empty()) {
     torch::NoGradGuard no_grad;
     torch::_foreach_copy_(params_, master_);  // fp32 -> bf16, rounded once per step
@@ -568,8 +593,8 @@ void Trainer::fit() {
   while (step_ < t.steps) {
     auto r = step();
     const bool last = step_ == t.steps;
-    // Elapsed time of this process and the time left at the pace of the steps after the first (which
-    // allocates the optimizer's state); no host read of the device here.
+    // Elapsed time in this loop and the time left at its mean pace so far (evaluations and saves
+    // included); no host read of the device here.
     const auto now_step = std::chrono::steady_clock::now();
     const double elapsed = std::chrono::duration<double>(now_step - run_start).count();
     std::string eta = "?";
@@ -636,7 +661,10 @@ void Trainer::fit() {
       if (main) std::cout << (bar ? "\n" : "") << "eval step " << step_ << ": val loss " << std::fixed
                           << std::setprecision(4) << e.loss << "\n" << std::flush;
     }
-    if (config_.checkpoint.every > 0 && step_ % config_.checkpoint.every == 0 && step_ < t.steps) save_and_say();
+    // The last step's save is the final one (below) unless save_final is off.
+    if (config_.checkpoint.every > 0 && step_ % config_.checkpoint.every == 0 &&
+        (step_ < t.steps || !config_.checkpoint.save_final))
+      save_and_say();
     if (stop_requested()) {  // every rank: a collective
       const auto where = last_saved_step_ == step_ ? checkpoint_folder(ckpt_dir_, step_) : save_and_say();
       stopped_by_signal_ = true;

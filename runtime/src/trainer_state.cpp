@@ -151,7 +151,9 @@ std::string Trainer::save_checkpoint() {
       meta.fields = {{"config", config_.to_ini()},
                      {"optimizer", config_.train.optimizer},
                      {"param_dtype", config_.train.param_dtype},
-                     {"precision", config_.train.precision}};
+                     {"precision", config_.train.precision},
+                     {"micro_batch_split", std::to_string(split_)},
+                     {"nonfinite_run", std::to_string(nonfinite_run_)}};
       if (policy_.mode == CheckpointPolicy::Mode::kBudget && !policy_.blocks.empty())
         meta.fields["recompute_plan"] = plan_text(policy_.blocks);
       folder = commit_checkpoint(ckpt_dir_, meta, files, config_.checkpoint.keep);
@@ -247,8 +249,10 @@ void Trainer::load_checkpoint(const std::string& path) {
   }
   step_ = ck.meta.step;
   last_saved_step_ = step_;
-  split_ = 1;
-  nonfinite_run_ = 0;
+  // An out-of-memory split and a run of skipped steps continue as they were (bit-exact resume).
+  auto count = [&](const char* key) { return field(key).empty() ? int64_t{0} : std::stoll(field(key)); };
+  split_ = std::max<int64_t>(1, count("micro_batch_split"));
+  nonfinite_run_ = count("nonfinite_run");
 
   if (world_.is_main()) {
     std::cout << "resumed:    step " << step_ << " from " << path << " (saved by " << ck.meta.world_size
@@ -275,14 +279,18 @@ void Trainer::resume_or_refuse() {
   const auto metrics = fs::path(run_dir_) / "metrics.jsonl";
   std::string path;
   if (ck.resume.empty()) {
+    // Every rank looks (a folder local to one node shows the run to its ranks only); all refuse together.
     const auto existing = list_checkpoints(ckpt_dir_);
     const bool other_run = fs::exists(metrics) || !existing.empty();
-    MEMTRAIN_CHECK(!other_run || config_.log.overwrite, ConfigError, "[config] the run folder ", run_dir_,
-                   " already holds a run (", existing.empty() ? std::string("metrics.jsonl")
-                                                              : std::to_string(existing.size()) + " checkpoint(s) in " + ckpt_dir_,
-                   "): continue it with --checkpoint.resume=auto, start over with --log.overwrite=true (its "
-                   "checkpoints are deleted), or choose another --log.name");
-    agree(true);  // every rank has looked before rank 0 deletes anything
+    const bool refuse = other_run && !config_.log.overwrite;
+    if (!agree(!refuse))
+      throw ConfigError(detail::concat(
+          "[config] the run folder ", run_dir_, " already holds a run (",
+          !refuse ? std::string("seen by another rank")
+                  : existing.empty() ? std::string("metrics.jsonl")
+                                     : std::to_string(existing.size()) + " checkpoint(s) in " + ckpt_dir_,
+          "): continue it with --checkpoint.resume=auto, start over with --log.overwrite=true (its checkpoints are "
+          "deleted), or choose another --log.name"));
     if (other_run && main) {
       for (const auto& c : existing) fs::remove_all(c);
       std::error_code ec;
@@ -291,15 +299,40 @@ void Trainer::resume_or_refuse() {
     }
   } else if (ck.resume == "auto") {
     path = find_latest_checkpoint(ckpt_dir_);
-    if (path.empty() && main) std::cout << "resume:     no checkpoint in " << ckpt_dir_ << ": starting fresh\n";
+    if (path.empty() && main)
+      std::cout << "resume:     no checkpoint in " << ckpt_dir_ << ": starting fresh"
+                << (fs::exists(metrics) ? " (metrics.jsonl is started anew)" : "") << "\n";
   } else {
     path = ck.resume;
     MEMTRAIN_CHECK(fs::is_directory(path), ConfigError, "[config] checkpoint.resume = ", path,
-                   ": no such checkpoint folder (expected auto or a step-N folder of checkpoint.dir)");
+                   ": no such checkpoint folder (expected auto, or the path of a step-N folder)");
   }
-  if (!path.empty()) {
+  if (path.empty()) return;
+  // Every rank reads the checkpoint; a failure on one (a missing file on its node, no host memory) stops
+  // them all instead of leaving the others in the first collective.
+  std::string error;
+  try {
     load_checkpoint(path);
-    resumed_from_ = path;
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  if (!agree(error.empty()))
+    throw DataError(error.empty() ? "[checkpoint] another rank could not load " + path + " (its message names the cause)"
+                                  : error);
+  resumed_from_ = path;
+  // Checkpoints of this folder newer than the one resumed from belong to the abandoned continuation:
+  // moved aside (not deleted), so that `auto` and pruning see only this timeline.
+  std::error_code same_ec;
+  if (main && fs::equivalent(fs::path(path).parent_path(), ckpt_dir_, same_ec)) {
+    for (const auto& c : list_checkpoints(ckpt_dir_)) {
+      const auto newer = read_manifest(c).step > step_;
+      if (!newer) continue;
+      const auto aside = fs::path(ckpt_dir_) / "abandoned" / fs::path(c).filename();
+      fs::create_directories(aside.parent_path());
+      fs::remove_all(aside);
+      fs::rename(c, aside);
+      std::cout << "            moved " << c << " (newer than the checkpoint resumed from) to " << aside.string() << "\n";
+    }
   }
 }
 
@@ -330,6 +363,7 @@ StopSignals::StopSignals() {
   g_stop_signal = 0;
   struct sigaction sa {};
   sa.sa_handler = on_stop_signal;
+  sa.sa_flags = SA_RESTART;  // a write to a pipe interrupted by the signal goes on (std::cout stays good)
   sigemptyset(&sa.sa_mask);
   sigaction(SIGTERM, &sa, &old_term_);
   sigaction(SIGINT, &sa, &old_int_);

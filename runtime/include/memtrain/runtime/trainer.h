@@ -139,6 +139,8 @@ class Trainer {
   int64_t split_ = 1;
   int64_t nonfinite_run_ = 0;     // consecutive skipped non-finite steps
   int64_t last_saved_step_ = -1;
+  bool in_optimizer_ = false;                 // between optimizer step's start and end (out-of-memory retries)
+  std::vector<torch::Tensor> buffer_backup_;  // floating buffers at the step's start (out-of-memory retries)
   std::string resumed_from_;
   bool stopped_by_signal_ = false;
 };
