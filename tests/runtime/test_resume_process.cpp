@@ -160,5 +160,24 @@ TEST(ResumeProcess, ACorruptLatestCheckpointStopsTheRunNamingTheFile) {
   EXPECT_EQ(out.find("step     4/6"), std::string::npos) << "it trained from a corrupt checkpoint:\n" << out;
 }
 
+TEST(ResumeProcess, ResumingFromAnOlderCheckpointMovesTheNewerOnesAside) {
+  Runs runs;
+  int code = -1;
+  runs.run("r", 4, "--checkpoint.every=1 --checkpoint.keep=4", &code);
+  ASSERT_EQ(code, 0);
+  const auto dir = runs.checkpoints("r");
+  ASSERT_EQ(list_checkpoints(dir).size(), 4u);
+  // Back to step 2 and on to step 3 with other settings: steps 3 and 4 of the first timeline go aside.
+  auto out = runs.run("r", 3, "--checkpoint.every=1 --checkpoint.keep=4 --checkpoint.resume=" + checkpoint_folder(dir, 2), &code);
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("resumed:    step 2"), std::string::npos) << out;
+  EXPECT_TRUE(fs::exists(dir + "/abandoned/step-000003/manifest.json")) << out;
+  EXPECT_TRUE(fs::exists(dir + "/abandoned/step-000004/manifest.json")) << out;
+  std::vector<std::string> names;
+  for (const auto& c : list_checkpoints(dir)) names.push_back(fs::path(c).filename().string());
+  EXPECT_EQ(names, (std::vector<std::string>{"step-000001", "step-000002", "step-000003"}));
+  EXPECT_EQ(fs::path(find_latest_checkpoint(dir)).filename(), "step-000003");  // the new step 3, not the old step 4
+}
+
 }  // namespace
 }  // namespace memtrain
