@@ -131,7 +131,13 @@ std::vector<Entry> entries(Config& c) {
       entry("dist.timeout_s", &dist.timeout_s, "rendezvous and collective timeout in seconds"),
       entry("dist.zero_stage", &dist.zero_stage,
             "0: data parallel, gradients all-reduced | 1: optimizer state (and fp32 masters) sharded over ranks | "
-            "2: gradients sharded too"),
+            "2: gradients sharded too | 3: parameters sharded too, each block's gathered just before it runs (forward and "
+            "backward) and freed after"),
+      entry("dist.prefetch", &dist.prefetch, "zero_stage 3: blocks gathered ahead of the one running (0: none)"),
+      entry("dist.offload_optimizer", &dist.offload_optimizer,
+            choices::join(choices::offload_optimizer) +
+                " (cpu: this rank's fp32 masters, optimizer state and reduced gradients live in host memory, pinned on "
+                "CUDA; the optimizer steps there; zero_stage 1-3)"),
       entry("dist.bucket_mib", &dist.bucket_mib, "gradient bucket size in MiB; a bucket's reduction starts when it is full"),
       entry("dist.reduce", &dist.reduce,
             choices::join(choices::dist_reduce) +
@@ -462,10 +468,18 @@ void Config::validate() const {
   parse_head_rows(memory.head);
   check_one_of("dist.backend", dist.backend, choices::backend);
   check_range("dist.timeout_s", dist.timeout_s, dist.timeout_s >= 1, ">= 1");
-  check_range("dist.zero_stage", dist.zero_stage, dist.zero_stage >= 0 && dist.zero_stage <= 2,
-              "0, 1 or 2 (stage 3 is not implemented yet)");
+  check_range("dist.zero_stage", dist.zero_stage, dist.zero_stage >= 0 && dist.zero_stage <= 3,
+              "0, 1, 2 or 3");
   check_range("dist.bucket_mib", dist.bucket_mib, dist.bucket_mib > 0, "> 0");
   check_one_of("dist.reduce", dist.reduce, choices::dist_reduce);
+  check_range("dist.prefetch", dist.prefetch, dist.prefetch >= 0, ">= 0");
+  check_one_of("dist.offload_optimizer", dist.offload_optimizer, choices::offload_optimizer);
+  MEMTRAIN_CHECK(dist.offload_optimizer == "none" || dist.zero_stage >= 1, ConfigError,
+                 "[config] dist.offload_optimizer = cpu needs dist.zero_stage = 1, 2 or 3 (it moves the sharded "
+                 "optimizer's part to host memory); dist.zero_stage is 0");
+  MEMTRAIN_CHECK(dist.offload_optimizer == "none" || train.precision != "fp16", ConfigError,
+                 "[config] dist.offload_optimizer = cpu with train.precision = fp16 is not supported (the loss "
+                 "scaler's inf check runs on the device); use bf16 or fp32");
   check_range("log.every", log.every, log.every >= 1, ">= 1");
   check_one_of("log.progress", log.progress, choices::progress);
   check_range("log.peak_tflops", log.peak_tflops, log.peak_tflops >= 0, ">= 0 (0 = from the table of known GPUs)");

@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <numeric>
 #include <sstream>
 
 #include "memtrain/core/error.h"
@@ -29,45 +30,90 @@ struct DataParallel::Bucket {
   // What the optimizer steps: per parameter, its elements inside `stepped` (a view) and their reduced
   // gradient (a view of `reduced`, set as the view's .grad): the weight-decay class is the parameter's.
   std::vector<std::pair<torch::Tensor, torch::Tensor>> segments;
+  bool stepped_is_copy = false;       // `stepped` is its own storage (fp32 masters, or offloaded): copied back after a step
+  // Stage 3.
+  int64_t unit = -1;                  // index into unit_buckets_
+  torch::Tensor part;                 // (shard,) param dtype: this rank's part of the parameters, kept between uses
+  bool gathered = false;              // `flat` has its full storage (a gather may still be in flight)
+  PendingCollective gather;
+  uint32_t version_before_gather = 0;
 };
 
 namespace {
 torch::Tensor part(const torch::Tensor& flat, int64_t rank, int64_t shard) { return flat.narrow(0, rank * shard, shard); }
+
+// Gives a tensor's storage `bytes` bytes from its own allocator (the contents are undefined), or none. Every
+// tensor sharing the StorageImpl (the parameters, their views, what autograd saved) follows it.
+void resize_storage(const torch::Tensor& t, size_t bytes) {
+  auto* impl = t.storage().unsafeGetStorageImpl();
+  if (impl->nbytes() == bytes) return;
+  impl->set_data_ptr_noswap(impl->allocator()->allocate(bytes));
+  impl->set_nbytes(bytes);
+}
+
+// Puts a tensor's version counter (shared with its views) back to `version`.
+void restore_version(const torch::Tensor& t, uint32_t version) {
+  auto counter = torch::autograd::impl::version_counter(t);  // a handle on the shared counter
+  counter.set_version(version);
+}
 }  // namespace
 
 DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
                            const std::vector<std::pair<std::string, torch::Tensor>>& named_params,
                            DataParallelOptions options)
     : group_(std::move(group)), options_(options) {
-  MEMTRAIN_CHECK(options_.stage >= 0 && options_.stage <= 2, ConfigError, "[config] dist.zero_stage = ",
-                 options_.stage, " is not supported here: expected 0, 1 or 2");
+  MEMTRAIN_CHECK(options_.stage >= 0 && options_.stage <= 3, ConfigError, "[config] dist.zero_stage = ",
+                 options_.stage, " is not supported here: expected 0, 1, 2 or 3");
+  MEMTRAIN_CHECK(!options_.offload || options_.stage >= 1, ConfigError,
+                 "[config] dist.offload_optimizer = cpu needs dist.zero_stage = 1, 2 or 3");
   MEMTRAIN_CHECK(options_.bucket_mib > 0, ConfigError, "[config] dist.bucket_mib = ", options_.bucket_mib,
                  ": expected > 0");
   MEMTRAIN_CHECK(!named_params.empty(), Error, "[dist] data parallelism needs at least one trainable parameter");
   const int64_t n = group_->size(), rank = group_->rank();
   const auto device = named_params.front().second.device();
+  device_ = device;
   const auto bucket_bytes = static_cast<int64_t>(options_.bucket_mib * 1024 * 1024);
+  const bool zero3 = options_.stage == 3;
+  if (zero3 || options_.reduce_every_micro_batch) options_.reduce_every_micro_batch = true;  // stage 3: no full gradients kept
 
   // 1. Assign parameters to buckets, last registered first (backward's order): consecutive runs of one
   //    dtype, closed at bucket_mib. A bucket fills while backward goes on, so it can be reduced (and, in
-  //    stage 2, freed) long before backward ends.
+  //    stage 2, freed) long before backward ends. Stage 3: a bucket per unit (and dtype), the last block's
+  //    first and the root's last (its tied embedding's gradient completes at the very end of backward).
+  std::vector<size_t> order;  // indices into named_params
+  std::vector<int64_t> unit_of(named_params.size(), 0);
+  if (zero3) {
+    MEMTRAIN_CHECK(options_.units.size() == named_params.size(), Error, "[dist] ZeRO stage 3 needs the unit of each of the ",
+                   named_params.size(), " parameters; got ", options_.units.size());
+    const int64_t blocks = options_.units.empty() ? 0 : *std::max_element(options_.units.begin(), options_.units.end()) + 1;
+    unit_buckets_.resize(static_cast<size_t>(blocks + 1));
+    for (int64_t u = blocks - 1; u >= -1; --u)
+      for (size_t i = named_params.size(); i-- > 0;)
+        if (options_.units[i] == u) order.push_back(i), unit_of[i] = u < 0 ? blocks : u;
+  } else {
+    for (size_t i = named_params.size(); i-- > 0;) order.push_back(i);
+  }
   std::vector<std::vector<torch::Tensor>> members;
   std::vector<std::vector<std::string>> member_names;
-  for (auto it = named_params.rbegin(); it != named_params.rend(); ++it) {
-    const auto& p = it->second;
-    MEMTRAIN_CHECK(p.device() == device, Error, "[dist] parameter '", it->first, "' is on ", p.device(),
+  for (auto i : order) {
+    const auto& [name, p] = named_params[i];
+    MEMTRAIN_CHECK(p.device() == device, Error, "[dist] parameter '", name, "' is on ", p.device(),
                    ", the others on ", device, ": data parallelism needs one device per rank");
     if (buckets_.empty() || members.back().front().scalar_type() != p.scalar_type() ||
-        buckets_.back()->size * p.element_size() >= bucket_bytes) {
+        (zero3 ? buckets_.back()->unit != unit_of[i] : buckets_.back()->size * p.element_size() >= bucket_bytes)) {
       buckets_.push_back(std::make_unique<Bucket>());
       members.emplace_back();
       member_names.emplace_back();
+      if (zero3) {
+        buckets_.back()->unit = unit_of[i];
+        unit_buckets_[static_cast<size_t>(unit_of[i])].push_back(buckets_.size() - 1);
+      }
     }
     auto& b = *buckets_.back();
     b.offsets.push_back(b.size);
     b.size += p.numel();
     members.back().push_back(p);
-    member_names.back().push_back(it->first);
+    member_names.back().push_back(name);
   }
 
   // 2. Flat storage: parameters become views into it (same TensorImpl: autograd and hooks see the same
@@ -88,10 +134,25 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
       index_.push_back({member_names[k][i], static_cast<int64_t>(k), b.offsets[i], p.sizes().vec()});
     }
     group_->broadcast(b.flat, 0);
+    if (zero3) {
+      b.part = part(b.flat, rank, b.shard).clone();  // (shard,) param dtype: all that stays between uses
+      resize_storage(b.flat, 0);
+    }
     if (options_.stage > 0 || options_.master_weights) {
-      auto mine = options_.stage > 0 ? part(b.flat, rank, b.shard) : b.flat;
-      b.stepped = options_.master_weights ? mine.to(torch::kFloat, false, /*copy=*/true) : mine.detach();
-      b.reduced = torch::zeros_like(b.stepped);  // (shard,) or (size,), the stepped dtype
+      auto mine = zero3 ? b.part : options_.stage > 0 ? part(b.flat, rank, b.shard) : b.flat;
+      b.stepped_is_copy = options_.master_weights || options_.offload;
+      if (b.stepped_is_copy) {
+        // fp32 masters, or the offloaded part: (shard,) in host memory, pinned when the device is a GPU
+        auto where = torch::TensorOptions()
+                         .dtype(options_.master_weights ? torch::kFloat : mine.scalar_type())
+                         .device(options_.offload ? c10::Device(c10::kCPU) : device);
+        if (options_.offload && device.is_cuda()) where = where.pinned_memory(true);
+        b.stepped = torch::empty(mine.sizes(), where);
+        b.stepped.copy_(mine);
+      } else {
+        b.stepped = mine.detach();
+      }
+      b.reduced = torch::zeros_like(b.stepped);  // (shard,) or (size,), the stepped dtype and device
     }
     if (options_.stage < 2) allocate_gradients(b);  // stage 2: when the bucket's first gradient arrives
     if (!b.stepped.defined()) {  // stage 0 without masters: the optimizer steps the bucket itself
@@ -127,7 +188,7 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
       // Stage 2: a bucket's full gradient exists from its first parameter's gradient to the end of its
       // reduce-scatter, not for the whole backward. The tensor hook runs before AccumulateGrad, which
       // then accumulates into the view it finds.
-      if (options_.stage == 2)
+      if (options_.stage >= 2)
         buckets_[k]->pre_hooks.push_back(p.register_hook([this, k](const torch::Tensor&) {
           if (!buckets_[k]->grad.defined()) allocate_gradients(*buckets_[k]);
         }));
@@ -158,6 +219,12 @@ int64_t DataParallel::num_buckets() const { return static_cast<int64_t>(buckets_
 
 const torch::Tensor& DataParallel::bucket_parameters(int64_t k) const { return buckets_.at(static_cast<size_t>(k))->flat; }
 
+torch::Tensor DataParallel::bucket_part(int64_t k) const {
+  const auto& b = *buckets_.at(static_cast<size_t>(k));
+  if (options_.stage == 3) return b.part;
+  return options_.stage > 0 ? part(b.flat, group_->rank(), b.shard) : b.flat;
+}
+
 std::pair<int64_t, int64_t> DataParallel::owned_range(int64_t k) const {
   const auto& b = *buckets_.at(static_cast<size_t>(k));
   if (options_.stage == 0) return {0, b.size};
@@ -185,7 +252,11 @@ void DataParallel::begin_micro_batch(bool last) {
 
 void DataParallel::on_gradient_ready(size_t k) {
   if (!armed_) return;  // a backward outside a micro-batch (the budget planner's probe), or not reducing now
-  if (++buckets_[k]->ready == buckets_[k]->params.size()) launch_ready_buckets();
+  if (++buckets_[k]->ready == buckets_[k]->params.size()) {
+    // Stage 3: every parameter of the bucket has its gradient, so no node left in this backward uses them.
+    if (options_.stage == 3) release(*buckets_[k]);
+    launch_ready_buckets();
+  }
 }
 
 void DataParallel::launch_ready_buckets() {
@@ -194,7 +265,7 @@ void DataParallel::launch_ready_buckets() {
     launch(*buckets_[next_to_launch_++]);
     // Stage 2: finish (wait for, add, free) the bucket before the one just launched, so at most two
     // full-size gradient buckets are in flight while backward goes on.
-    if (options_.stage == 2 && next_to_launch_ >= 2) finish(*buckets_[next_to_launch_ - 2]);
+    if (options_.stage >= 2 && next_to_launch_ >= 2) finish(*buckets_[next_to_launch_ - 2]);
   }
 }
 
@@ -208,7 +279,7 @@ void DataParallel::launch(Bucket& b) {
   }
   // The first reduction of a step may land in `reduced` itself; later ones (one per micro-batch) in a
   // transient buffer that finish() adds.
-  b.into_reduced = b.reductions == 0 && !options_.master_weights;
+  b.into_reduced = b.reductions == 0 && !b.stepped_is_copy;
   b.scratch = b.into_reduced ? b.reduced : torch::empty({b.shard}, b.grad.options());  // (shard,) param dtype
   b.pending = group_->reduce_scatter_sum_async(b.scratch, b.grad);
 }
@@ -225,7 +296,7 @@ void DataParallel::finish(Bucket& b) {
     }
     return;
   }
-  if (!b.into_reduced) b.reduced.add_(b.scratch);
+  if (!b.into_reduced) b.reduced.add_(b.reduced.device() == b.scratch.device() ? b.scratch : b.scratch.to(b.reduced.device()));
   b.scratch = torch::Tensor();
   if (options_.stage == 1) {
     b.grad.zero_();  // kept for the next backward
@@ -243,18 +314,19 @@ void DataParallel::end_micro_batch() {
     for (auto& b : buckets_) finish(*b);
   }
   armed_ = false;
+  release_all();
 }
 
 torch::Tensor DataParallel::clip_grad_norm(double max_norm) {
   std::vector<torch::Tensor> grads;
   for (const auto& b : buckets_) grads.push_back(b->reduced);
   auto norms = torch::_foreach_norm(grads, 2);
-  auto sq = torch::stack(norms).to(torch::kFloat).pow(2).sum();
+  auto sq = torch::stack(norms).to(device_, torch::kFloat).pow(2).sum();  // offload: the sum goes up to the device
   if (options_.stage > 0) group_->all_reduce_sum(sq);  // stage 0: every rank holds the whole gradient
   auto total = sq.sqrt();
   if (max_norm > 0) {
-    auto coef = torch::clamp_max(max_norm / (total + 1e-6), 1.0);  // no host read
-    torch::_foreach_mul_(grads, coef.to(grads.front().dtype()));
+    auto coef = torch::clamp_max(max_norm / (total + 1e-6), 1.0);  // no host read (but offload's own copy down)
+    torch::_foreach_mul_(grads, coef.to(grads.front().device(), grads.front().scalar_type()));
   }
   return total;
 }
@@ -293,9 +365,10 @@ void DataParallel::after_optimizer_step() {
   std::vector<PendingCollective> gathers;
   std::vector<torch::Tensor> inputs;  // kept alive until the gathers finish
   for (auto& b : buckets_) {
-    auto mine = options_.stage > 0 ? part(b->flat, rank, b->shard) : b->flat;
-    if (options_.master_weights) mine.copy_(b->stepped);  // fp32 -> bf16, rounded once per step
-    if (options_.stage == 0) continue;
+    // Stage 3: the part only; the next forward gathers it.
+    auto mine = options_.stage == 3 ? b->part : options_.stage > 0 ? part(b->flat, rank, b->shard) : b->flat;
+    if (b->stepped_is_copy) mine.copy_(b->stepped, /*non_blocking=*/b->stepped.is_pinned());  // fp32 -> bf16, rounded once per step
+    if (options_.stage == 0 || options_.stage == 3) continue;
     inputs.push_back(mine.clone());  // (shard,): the gather writes over `flat`, which holds it
     gathers.push_back(group_->all_gather_async(b->flat, inputs.back()));
   }
@@ -308,10 +381,12 @@ ResidentBytes DataParallel::resident(const std::vector<torch::Tensor>& optimizer
     return t.defined() && t.device() == device ? static_cast<int64_t>(t.numel() * t.element_size()) : int64_t{0};
   };
   for (const auto& b : buckets_) {
-    r.params += bytes(b->flat);
+    // Stage 3: this rank's part, and the full storage while it is gathered.
+    r.params += options_.stage == 3 ? bytes(b->part) + (b->flat.device() == device ? static_cast<int64_t>(b->flat.storage().nbytes()) : 0)
+                                    : bytes(b->flat);
     r.grads += bytes(b->grad);
-    if (options_.master_weights) {
-      r.optimizer_state += bytes(b->stepped) + bytes(b->reduced);  // masters and their gradients
+    if (b->stepped_is_copy) {
+      r.optimizer_state += bytes(b->stepped) + bytes(b->reduced);  // masters (or offloaded parts) and their gradients
     } else if (!b->reduced.is_same(b->grad)) {
       r.grads += bytes(b->reduced);
     }
@@ -327,7 +402,99 @@ std::string DataParallel::describe() const {
   os << "ZeRO stage " << options_.stage << " over " << group_->size() << " ranks (" << group_->backend_name() << "), "
      << buckets_.size() << " buckets of <= " << options_.bucket_mib << " MiB (" << elems << " elements), reduce "
      << (options_.reduce_every_micro_batch ? "every micro-batch" : "after the last micro-batch");
+  if (options_.stage == 3) os << "; parameters gathered per unit (" << num_units() - 1 << " blocks + root), prefetch " << options_.prefetch;
+  if (options_.offload) os << "; optimizer offloaded to " << (device_.is_cuda() ? "pinned " : "") << "host memory";
   return os.str();
+}
+
+void DataParallel::gather_unit(int64_t unit) {
+  torch::NoGradGuard no_grad;
+  for (auto k : unit_buckets_[static_cast<size_t>(unit)]) {
+    auto& b = *buckets_[k];
+    if (b.gathered) continue;
+    const auto bytes = static_cast<size_t>(b.size) * b.flat.element_size();
+    resize_storage(b.flat, bytes);
+    gathered_bytes_ += static_cast<int64_t>(bytes);
+    peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
+    b.gathered = true;
+    // The gather writes the parameters' storage behind autograd's back: what a forward saved of them is
+    // the same values again, so their version counter is put back as it was (FSDP does the same).
+    b.version_before_gather = torch::autograd::impl::version_counter(b.flat).current_version();
+    b.gather = group_->all_gather_async(b.flat, b.part);
+  }
+}
+
+void DataParallel::wait_unit(int64_t unit) {
+  for (auto k : unit_buckets_[static_cast<size_t>(unit)]) {
+    auto& b = *buckets_[k];
+    if (!b.gather.pending()) continue;
+    b.gather.wait();
+    restore_version(b.flat, b.version_before_gather);
+  }
+}
+
+void DataParallel::release(Bucket& b) {
+  if (!b.gathered) return;
+  if (b.gather.pending()) {
+    b.gather.wait();
+    restore_version(b.flat, b.version_before_gather);
+  }
+  gathered_bytes_ -= static_cast<int64_t>(b.flat.storage().nbytes());
+  resize_storage(b.flat, 0);
+  b.gathered = false;
+}
+
+void DataParallel::begin_forward() {
+  if (options_.stage != 3) return;
+  const int64_t root = num_units() - 1;
+  gather_unit(root);
+  for (int64_t j = 0; j < std::min(options_.prefetch, root); ++j) gather_unit(j);
+  wait_unit(root);
+}
+
+void DataParallel::before_block(int64_t i) {
+  if (options_.stage != 3) return;
+  const int64_t blocks = num_units() - 1;
+  gather_unit(i);
+  for (int64_t j = i + 1; j <= std::min(i + options_.prefetch, blocks - 1); ++j) gather_unit(j);
+  wait_unit(i);
+}
+
+void DataParallel::after_block(int64_t i) {
+  if (options_.stage != 3) return;
+  for (auto k : unit_buckets_[static_cast<size_t>(i)]) release(*buckets_[k]);
+}
+
+void DataParallel::before_block_backward(int64_t i) {
+  if (options_.stage != 3) return;
+  gather_unit(i);
+  for (int64_t j = i - 1; j >= std::max<int64_t>(0, i - options_.prefetch); --j) gather_unit(j);
+  wait_unit(i);
+}
+
+void DataParallel::gather_all() {
+  if (options_.stage != 3) return;
+  outside_the_step([&](ProcessGroup&) {
+    for (int64_t u = 0; u < num_units(); ++u) gather_unit(u);
+    for (int64_t u = 0; u < num_units(); ++u) wait_unit(u);
+  });
+}
+
+void DataParallel::release_all() {
+  if (options_.stage != 3) return;
+  for (auto& b : buckets_) release(*b);
+}
+
+void DataParallel::parameters_from_stepped() {
+  torch::NoGradGuard no_grad;
+  for (auto& b : buckets_)
+    if (options_.stage == 3 && b->stepped_is_copy) b->part.copy_(b->stepped);
+}
+
+int64_t DataParallel::take_peak_gathered_bytes() {
+  const auto peak = peak_gathered_bytes_;
+  peak_gathered_bytes_ = gathered_bytes_;
+  return peak;
 }
 
 }  // namespace memtrain

@@ -325,13 +325,14 @@ class CurrentBlockScope {
 };
 }  // namespace
 
-torch::Tensor run_blocks(Model& model, const torch::Tensor& input, const CheckpointPolicy& policy) {
+torch::Tensor run_blocks(Model& model, const torch::Tensor& input, const CheckpointPolicy& policy, BlockHooks* hooks) {
   auto h = model.embed(input);
   const auto parts = model.part_names();
   const CheckpointOptions options{.offload = policy.offload};
   CurrentBlockScope current;
   for (int64_t i = 0; i < model.num_blocks(); ++i) {
     current.set(i);
+    if (hooks) hooks->before_block(i);
     if (policy.checkpoints_block(i)) {
       h = checkpoint([&model, i](const torch::Tensor& x) { return model.block(i, x); }, h, model.block_parameters(i),
                      options);
@@ -346,6 +347,10 @@ torch::Tensor run_blocks(Model& model, const torch::Tensor& input, const Checkpo
       }
     } else {
       h = model.block(i, h);
+    }
+    if (hooks) {
+      hooks->after_block(i);
+      if (h.requires_grad()) h.register_hook([hooks, i](const torch::Tensor&) { hooks->before_block_backward(i); });
     }
   }
   return h;

@@ -74,6 +74,18 @@ namespace {
 std::shared_ptr<Dataset> dataset_for(const Config& c, const World& w) {
   return make_dataset(c, {w.rank, w.world_size});
 }
+
+// ZeRO stage 3: each block's parameters gathered just before it runs (forward and backward), freed after.
+class GatherBlocks : public BlockHooks {
+ public:
+  explicit GatherBlocks(DataParallel& dp) : dp_(dp) {}
+  void before_block(int64_t block) override { dp_.before_block(block); }
+  void after_block(int64_t block) override { dp_.after_block(block); }
+  void before_block_backward(int64_t block) override { dp_.before_block_backward(block); }
+
+ private:
+  DataParallel& dp_;
+};
 }  // namespace
 
 Trainer::Trainer(const Config& config, const World& world) : config_(config), world_(world) {
@@ -144,6 +156,9 @@ void Trainer::setup() {
   } else if (world_.world_size == 1) {
     optimizer_ = make_optimizer(optimizer_options(t), model_->named_parameters());
   }
+  MEMTRAIN_CHECK(world_.world_size > 1 || config_.dist.offload_optimizer == "none", ConfigError,
+                 "[config] dist.offload_optimizer = cpu needs several ranks (memtrain-run --nproc-per-node N): "
+                 "offload is part of the sharded optimizer, which a single process does not use");
   if (world_.world_size > 1) {
     // Rendezvous, process group, flat buckets; the optimizer steps the buckets' parts this rank owns.
     const auto& d = config_.dist;
@@ -151,14 +166,34 @@ void Trainer::setup() {
         world_, {.backend = d.backend, .timeout = std::chrono::seconds(d.timeout_s), .device = device_});
     std::vector<std::pair<std::string, torch::Tensor>> named;
     for (size_t i = 0; i < params_.size(); ++i) named.emplace_back(names[i], params_[i]);
+    // Stage 3's units: each parameter's block; -1 (the root, gathered for the whole step) for those outside
+    // every block and for those two blocks share.
+    std::vector<int64_t> units;
+    if (d.zero_stage == 3) {
+      std::map<const void*, int64_t> unit;
+      for (int64_t b = 0; b < model_->num_blocks(); ++b)
+        for (const auto& p : model_->block_parameters(b)) {
+          auto [it, added] = unit.emplace(p.unsafeGetTensorImpl(), b);
+          if (!added && it->second != b) it->second = -1;
+        }
+      for (const auto& p : params_) {
+        auto it = unit.find(p.unsafeGetTensorImpl());
+        units.push_back(it == unit.end() ? -1 : it->second);
+      }
+    }
     dp_ = std::make_unique<DataParallel>(group, named,
                                          DataParallelOptions{.stage = static_cast<int>(d.zero_stage),
                                                              .bucket_mib = d.bucket_mib,
                                                              // bf16 parameters: each micro-batch's gradient goes
                                                              // to the fp32 masters, as in one process
                                                              .reduce_every_micro_batch = d.reduce == "micro_batch" ||
-                                                                                         param_dtype_ != torch::kFloat,
-                                                             .master_weights = param_dtype_ != torch::kFloat});
+                                                                                         param_dtype_ != torch::kFloat ||
+                                                                                         d.zero_stage == 3,
+                                                             .master_weights = param_dtype_ != torch::kFloat,
+                                                             .units = units,
+                                                             .prefetch = d.prefetch,
+                                                             .offload = d.offload_optimizer == "cpu"});
+    if (d.zero_stage == 3) block_hooks_ = std::make_unique<GatherBlocks>(*dp_);
     optimizer_ = make_optimizer(optimizer_options(t), dp_->decay_tensors(), dp_->no_decay_tensors());
     sync_buffers();  // an embedder's model may start with other statistics on each rank
   }
@@ -230,7 +265,8 @@ void Trainer::setup() {
 
 torch::Tensor Trainer::forward_loss(const Batch& batch) {
   AutocastGuard autocast(device_.type(), autocast_dtype(precision_));
-  auto h = run_blocks(*model_, batch.input, policy_);
+  if (dp_) dp_->begin_forward();  // stage 3: the root unit (embeddings, head) gathered
+  auto h = run_blocks(*model_, batch.input, policy_, block_hooks_.get());
   if (head_rows_ >= 0) {
     auto [features, weight] = *model_->head_features(h);
     return fused_linear_cross_entropy(features.reshape({-1, features.size(-1)}), weight, batch.target.reshape({-1}),
@@ -266,8 +302,12 @@ void Trainer::resolve_budget_policy() {
   MEMTRAIN_CHECK(device_.is_cuda() || cpu_memory::installed(), Error,
                  "[checkpoint] budget policy on CPU needs memtrain::cpu_memory::install()");
   auto profile = profile_block_activations(*model_, [&] { return forward_loss(batch); }, measure_device);
-  optimizer_->zero_grad(true);
-  model_->zero_grad(true);  // several ranks: DataParallel::begin_step re-attaches the gradient buckets
+  if (dp_) dp_->release_all();  // stage 3: outside a micro-batch nothing frees what the probe gathered
+  // Several ranks: the probe's backward reduces nothing (outside a micro-batch), the stepped parts' gradients
+  // (views of the reduced buckets, which LibTorch's zero_grad cannot detach) are untouched, and
+  // DataParallel::begin_step re-attaches the parameters' gradient buckets.
+  if (!dp_) optimizer_->zero_grad(true);
+  model_->zero_grad(true);
   policy_.blocks = plan_checkpoint_budget(profile, static_cast<int64_t>(policy_.budget_mib * 1024 * 1024));
 }
 
@@ -284,7 +324,7 @@ StepResult Trainer::step() {
 void Trainer::recover_from_oom(const std::string& what) {
   // Nothing of the abandoned step survives: its gradients, the scaler's per-step state, and the buffers
   // its forward passes updated (BatchNorm's running statistics, restored from the step's start).
-  optimizer_->zero_grad(/*set_to_none=*/true);
+  if (!dp_) optimizer_->zero_grad(/*set_to_none=*/true);  // several ranks: stops below; the buckets are views
   model_->zero_grad(/*set_to_none=*/true);
   if (scaler_) scaler_->discard_step();
   if (!buffer_backup_.empty()) {
@@ -424,6 +464,7 @@ StepResult Trainer::attempt_step() {
   if (dp_) {
     if (r.applied) dp_->after_optimizer_step();  // masters -> parameters, and the updated parts all-gathered
     r.comm_bytes = dp_->take_bytes_communicated();
+    r.gathered_peak_bytes = dp_->take_peak_gathered_bytes();
   }
   tracker_->end_phase(Phase::kOptimizer);
   // 5. Memory sample of this step.
@@ -445,6 +486,7 @@ EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
   sync_buffers();
   torch::NoGradGuard no_grad;
   model_->eval();
+  const int64_t traffic = dp_ ? dp_->traffic_mark() : 0;
   EvalResult e;
   double loss_sum = 0;
   int64_t correct = 0;
@@ -455,7 +497,8 @@ EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
     torch::Tensor out;
     {
       AutocastGuard autocast(device_.type(), autocast_dtype(precision_));
-      out = model_->forward(x);
+      if (dp_) dp_->begin_forward();
+      out = model_->head(run_blocks(*model_, x, policy_, block_hooks_.get()));  // no-grad: nothing recomputed
     }
     const auto n = y.size(0);
     loss_sum += model_->loss(out, y).item<double>() * static_cast<double>(n);
@@ -466,6 +509,7 @@ EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
     e.samples += n;
   }
   model_->train();
+  if (dp_) dp_->release_all(), dp_->not_step_traffic(traffic);
   if (dp_) {  // every rank evaluated its own part: sums over ranks
     auto sums = torch::tensor({loss_sum, static_cast<double>(correct), static_cast<double>(e.samples)},
                               torch::TensorOptions().dtype(torch::kDouble).device(device_));
@@ -635,6 +679,7 @@ void Trainer::fit() {
       if (scaler_) j["loss_scale"] = scaler_->current_scale(), j["skipped"] = !r.applied;
       if (r.nonfinite) j["skipped_nonfinite"] = true;
       if (dp_) j["comm_bytes"] = r.comm_bytes;  // this rank's, in the last step's collectives
+      if (dp_ && dp_->stage() == 3) j["gathered_peak_bytes"] = r.gathered_peak_bytes;  // full parameters held at once
       for (const auto& m : mem) j["peak_" + m.device] = m.peak_allocated;
       metrics << j.dump() << "\n" << std::flush;
       if (main) {
@@ -715,6 +760,7 @@ void Trainer::fit() {
   const auto memory = config_.memory.track ? gather_memory_summaries() : std::vector<MemoryTracker::Summary>{};
   for (const auto& m : memory)
     summary["peak_allocated_bytes"]["rank" + std::to_string(m.rank) + "/" + m.device] = m.max_peak;
+  if (dp_) dp_->gather_all();  // stage 3: the full weights for rank 0 to save (every rank gathers)
   if (main) {
     std::cout << out.str() << "\n";
     if (config_.memory.track) std::cout << MemoryTracker::format_summary_table(memory);
@@ -726,6 +772,7 @@ void Trainer::fit() {
     }
     write_file_atomically((fs::path(run_dir_) / "summary.json").string(), summary.dump(2) + "\n");
   }
+  if (dp_) dp_->release_all();
 }
 
 std::vector<MemoryTracker::Summary> Trainer::gather_memory_summaries() {

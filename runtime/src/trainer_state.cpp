@@ -226,11 +226,14 @@ void Trainer::load_checkpoint(const std::string& path) {
     return state;
   };
   if (dp_) {
-    for (const auto& [name, p] : params) p.copy_(T.at("model/" + name));  // with masters: fp32 -> bf16 once
+    // Stage 3 holds no full parameters: the parts come from the stepped tensors.
+    if (dp_->stage() < 3)
+      for (const auto& [name, p] : params) p.copy_(T.at("model/" + name));  // with masters: fp32 -> bf16 once
     for (const auto& seg : dp_->segments()) {
       seg.stepped.copy_(T.at("model/" + seg.name).reshape({-1}).slice(0, seg.begin, seg.end));
       if (stepped_names.count(seg.name)) set_param_state(*optimizer_, seg.stepped, state_of(seg.name, seg.begin, seg.end));
     }
+    dp_->parameters_from_stepped();
   } else {
     for (size_t i = 0; i < params_.size(); ++i) {
       const auto& name = param_names_[i];

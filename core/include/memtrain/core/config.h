@@ -28,6 +28,7 @@ inline constexpr std::array<std::string_view, 3> precision{"fp32", "bf16", "fp16
 inline constexpr std::array<std::string_view, 2> param_dtype{"fp32", "bf16"};
 inline constexpr std::array<std::string_view, 3> backend{"auto", "gloo", "nccl"};
 inline constexpr std::array<std::string_view, 2> dist_reduce{"step", "micro_batch"};
+inline constexpr std::array<std::string_view, 2> offload_optimizer{"none", "cpu"};
 inline constexpr std::array<std::string_view, 3> progress{"auto", "bar", "lines"};
 inline constexpr std::array<std::string_view, 2> oom{"retry", "fail"};
 inline constexpr std::array<std::string_view, 2> token_format{"llmc", "raw"};
@@ -120,6 +121,9 @@ struct DistConfig {
   std::string backend = "auto";  // auto | gloo | nccl
   int64_t timeout_s = 300;       // rendezvous and every collective
   int64_t zero_stage = 0;        // 0: data parallel (all-reduce) | 1: + sharded optimizer state | 2: + sharded gradients
+                                 // | 3: + sharded parameters, gathered per block
+  int64_t prefetch = 1;          // stage 3: blocks gathered ahead of the one running
+  std::string offload_optimizer = "none";  // none | cpu: masters, optimizer state and reduced gradients in host memory
   double bucket_mib = 25;        // gradient bucket size (DDP's default)
   std::string reduce = "step";   // step: accumulate micro-batches locally, reduce once | micro_batch: reduce each
 };

@@ -11,6 +11,20 @@
 //   stage 1  gradients reduce-scattered into this rank's shard; optimizer state (and fp32 master
 //            weights with bf16 parameters) exist for the shard only; the updated shards are all-gathered.
 //   stage 2  as 1, and a bucket's full-size gradient is freed as soon as it has been reduce-scattered.
+//   stage 3  as 2, and the parameters too: a rank keeps only its part of each bucket between uses. The
+//            buckets follow the model's units (each block, and a root unit for everything outside the
+//            blocks: embeddings, final norm, head, and any parameter two units share). A unit's buckets are
+//            all-gathered into their full storage just before the unit runs (forward, and again before its
+//            backward), and the storage is freed right after (forward) or once every parameter of the
+//            bucket has its gradient (backward). The root stays gathered from the forward's start to the
+//            end of its backward. Parameters keep their TensorImpl and even their StorageImpl: the storage
+//            is resized to zero bytes and back (as PyTorch's FSDP1 does), so autograd's saved tensors, the
+//            checkpoint function's parameter list and every view follow it.
+//
+// Offload (stages 1-3): the stepped part (fp32 masters, or a copy of the parameters' part), its reduced
+// gradient and hence the optimizer state live in host memory (pinned on CUDA). Each reduced gradient is
+// copied down when its bucket's reduction ends; the optimizer steps on the CPU; the updated part is
+// copied back up in after_optimizer_step().
 //
 // Reductions start during backward as buckets fill (a post-hook on each parameter's AccumulateGrad, which
 // runs once per backward even for a tied weight or a checkpointed block), strictly in bucket order so
@@ -39,6 +53,11 @@ struct DataParallelOptions {
   bool reduce_every_micro_batch = false;  // true: reduce after every micro-batch (least memory);
                                           // false: accumulate locally, reduce after the last (least traffic)
   bool master_weights = false;        // bf16 parameters: the optimizer steps fp32 copies of this rank's part
+  // Stage 3: the unit of each parameter of named_params (same order): 0..U-1 a block, -1 the root (what
+  // lies outside the blocks, and any parameter used by two units). Reductions run after every micro-batch.
+  std::vector<int64_t> units;
+  int64_t prefetch = 1;               // stage 3: units gathered ahead of the one running (forward and backward)
+  bool offload = false;               // stages 1-3: the stepped part and its optimizer state in host memory
 };
 
 // Where a parameter lives: its name (FQN), its bucket, its element offset there, its shape.
@@ -87,6 +106,23 @@ class DataParallel {
   void all_reduce_found_inf(torch::Tensor& found_inf);
   void after_optimizer_step();                 // masters -> parameters; all-gather the updated parts
 
+  // Stage 3 (no-ops otherwise). begin_forward() before a forward: gathers the root unit (and prefetches
+  // the first blocks). Around block i: before_block(i) gathers it (and prefetches the next), after_block(i)
+  // frees it; before_block_backward(i) gathers it again when its output's gradient arrives. end_micro_batch()
+  // and release_all() free everything still gathered; gather_all() gathers every unit (saving weights).
+  // Collective: every rank calls them in the same order.
+  void begin_forward();
+  void before_block(int64_t i);
+  void after_block(int64_t i);
+  void before_block_backward(int64_t i);
+  void gather_all();
+  void release_all();
+  // Stage 3: the parameters' parts from the stepped tensors (after loading a checkpoint into them).
+  void parameters_from_stepped();
+  // Bytes of gathered (full) parameter storage now held (stage 3), and the most held at once since the last call.
+  int64_t gathered_bytes() const { return gathered_bytes_; }
+  int64_t take_peak_gathered_bytes();
+
   // Resident bytes on `device`: parameters (full, replicated), gradients (full buckets held + reduced
   // parts), and masters + their gradients + `optimizer_state` as optimizer state.
   ResidentBytes resident(const std::vector<torch::Tensor>& optimizer_state, const c10::Device& device) const;
@@ -96,14 +132,20 @@ class DataParallel {
   void group_all_reduce_sum(torch::Tensor& t);
   void group_all_gather(torch::Tensor& output, torch::Tensor& input);
   void group_broadcast(torch::Tensor& t, int root);
+  // Collectives between `mark = traffic_mark()` and not_step_traffic(mark) (stage 3's gathers in an
+  // evaluation) are not counted as a step's traffic.
+  int64_t traffic_mark() const { return group_->bytes_communicated(); }
+  void not_step_traffic(int64_t mark) { bytes_uncounted_ += group_->bytes_communicated() - mark; }
   const ProcessGroup& group() const { return *group_; }
   int64_t num_buckets() const;
   // The index name -> (bucket, offset, shape), in bucket order: what a sharded, name-keyed checkpoint
   // needs to find a parameter's part of each rank's state.
   const std::vector<ParamSlot>& index() const { return index_; }
-  // Bucket k's flat parameters, (padded size,), and the element range this rank owns.
+  // Bucket k's flat parameters, (padded size,), and the element range this rank owns. Stage 3: the flat
+  // tensor's storage is empty unless gathered; bucket_part(k) is this rank's part, always there.
   const torch::Tensor& bucket_parameters(int64_t k) const;
   std::pair<int64_t, int64_t> owned_range(int64_t k) const;
+  torch::Tensor bucket_part(int64_t k) const;
   std::string describe() const;
 
  private:
@@ -113,6 +155,10 @@ class DataParallel {
   void launch(Bucket& b);
   void finish(Bucket& b);
   void allocate_gradients(Bucket& b);
+  void gather_unit(int64_t unit);   // stage 3: starts the gathers of a unit's buckets not yet gathered
+  void wait_unit(int64_t unit);     // stage 3: waits for them
+  void release(Bucket& b);          // stage 3: frees a bucket's full parameter storage
+  int64_t num_units() const { return static_cast<int64_t>(unit_buckets_.size()); }  // blocks + the root
   // Runs a collective whose bytes are not the step's traffic (evaluation, logged losses, buffers).
   template <class Collective>
   void outside_the_step(Collective&& collective);
@@ -127,6 +173,9 @@ class DataParallel {
   bool armed_ = false;
   int64_t bytes_taken_ = 0;      // ProcessGroup::bytes_communicated() at the last take
   int64_t bytes_uncounted_ = 0;  // of which outside the step (broadcast at start, evaluation, losses)
+  c10::Device device_ = c10::kCPU;
+  std::vector<std::vector<size_t>> unit_buckets_;  // stage 3: per unit (blocks 0..U-1, then the root), its buckets
+  int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
 };
 
 }  // namespace memtrain

@@ -51,9 +51,21 @@ torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)
 // Counts block recomputations in this process (tests check that checkpointing really recomputed).
 int64_t checkpoint_recompute_count();
 
+// Called by run_blocks around each block: ZeRO stage 3 gathers a block's parameters just before it runs
+// and frees them after, and gathers them again when the gradient of the block's output arrives in
+// backward (a hook on that output, which runs before any of the block's backward, recompute included).
+class BlockHooks {
+ public:
+  virtual ~BlockHooks() = default;
+  virtual void before_block(int64_t block) = 0;
+  virtual void after_block(int64_t block) = 0;
+  virtual void before_block_backward(int64_t block) = 0;
+};
+
 // blocks(embed(input)) with the policy applied: the hidden state the head takes. Under no-grad it runs
-// plainly.
-torch::Tensor run_blocks(Model& model, const torch::Tensor& input, const CheckpointPolicy& policy);
+// plainly. `hooks` (may be null) must outlive the backward of what this returns.
+torch::Tensor run_blocks(Model& model, const torch::Tensor& input, const CheckpointPolicy& policy,
+                         BlockHooks* hooks = nullptr);
 // head(run_blocks(input)).
 torch::Tensor forward_with_checkpointing(Model& model, const torch::Tensor& input, const CheckpointPolicy& policy);
 

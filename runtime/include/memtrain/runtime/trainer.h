@@ -37,6 +37,7 @@ struct StepResult {
   torch::Tensor loss;       // () fp32 on the device: mean over the step's micro-batches
   torch::Tensor grad_norm;  // () fp32 on the device: before clipping (global over ranks)
   int64_t comm_bytes = 0;   // bytes this rank put into collectives during the step
+  int64_t gathered_peak_bytes = 0;  // ZeRO stage 3: most full (gathered) parameter bytes held at once in the step
   double lr = 0;
   bool applied = true;      // false when the step was skipped: fp16's scaler or train.on_nonfinite (inf/NaN)
   bool nonfinite = false;   // without fp16: the loss or the gradient norm was inf/NaN (the update was skipped)
@@ -125,6 +126,7 @@ class Trainer {
   std::vector<torch::Tensor> master_;  // param_dtype bf16: fp32 copies, same order as params_
   c10::ScalarType param_dtype_ = torch::kFloat;
   std::unique_ptr<DataParallel> dp_;  // world_size > 1
+  std::unique_ptr<BlockHooks> block_hooks_;  // ZeRO stage 3: gathers each block's parameters around it
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<CosineSchedule> schedule_;
   Precision precision_ = Precision::kFp32;
