@@ -11,17 +11,21 @@ weights, for STEPS steps on a fixed global batch of GLOBAL_BATCH sequences per s
 
   (a) DistributedDataParallel + torch.optim.AdamW
   (b) DistributedDataParallel + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW, same groups)
+  (c) FSDP2: torch.distributed.fsdp.fully_shard on each block, then on the whole model (the root: embeddings,
+      final norm, tied head), parameters resharded after forward, + torch.optim.AdamW on the sharded (DTensor)
+      parameters: ZeRO stage 3
 
 ddp_zero.safetensors holds
   inputs, targets          (STEPS, GLOBAL_BATCH, T) int64: step s's global batch
-  ddp_losses, zero_losses  (STEPS,) f64: each step's loss (before its update), the mean over the ranks
-  ddp_final.<name>, zero_final.<name>   every parameter after the last step of (a) and of (b)
+  ddp_losses, zero_losses, fsdp_losses  (STEPS,) f64: each step's loss (before its update), the mean over the ranks
+  ddp_final.<name>, zero_final.<name>, fsdp_final.<name>   every parameter after the last step of (a), (b), (c)
 """
 import os, socket, sys
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -39,11 +43,18 @@ def batches():
     return idx[..., :-1].contiguous(), idx[..., 1:].contiguous()
 
 
-def train(rank, zero):
+def train(rank, zero=False, fsdp=False):
     """One run on this rank: the loss of every step (mean over ranks) and the final parameters."""
     model = fx.make_model()  # the same seeded weights as gpt_parity.safetensors on every rank
-    ddp = DDP(model)
-    if zero:
+    if fsdp:
+        for block in model.h:
+            fully_shard(block)
+        ddp = fully_shard(model)
+    else:
+        ddp = DDP(model)
+    if fsdp:
+        opt = fx.adamw(list(model.parameters()))  # DTensor shards; the same groups by dimension
+    elif zero:
         decay = [p for p in model.parameters() if p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.dim() < 2]
         opt = ZeroRedundancyOptimizer([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -61,6 +72,8 @@ def train(rank, zero):
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / WORLD)
+    if fsdp:  # full_tensor() gathers the shards: every rank calls it
+        return losses, {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -69,13 +82,16 @@ def worker(rank, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     ddp_losses, ddp_final = train(rank, zero=False)
     zero_losses, zero_final = train(rank, zero=True)
+    fsdp_losses, fsdp_final = train(rank, fsdp=True)
     if rank == 0:
         inputs, targets = batches()
         t = {"inputs": inputs, "targets": targets,
              "ddp_losses": torch.tensor(ddp_losses, dtype=torch.float64),
-             "zero_losses": torch.tensor(zero_losses, dtype=torch.float64)}
+             "zero_losses": torch.tensor(zero_losses, dtype=torch.float64),
+             "fsdp_losses": torch.tensor(fsdp_losses, dtype=torch.float64)}
         t.update({"ddp_final." + n: p for n, p in ddp_final.items()})
         t.update({"zero_final." + n: p for n, p in zero_final.items()})
+        t.update({"fsdp_final." + n: p for n, p in fsdp_final.items()})
         fx.save(os.path.join(out, "ddp_zero.safetensors"), t,
                 dict(world=WORLD, steps=STEPS, global_batch=GLOBAL_BATCH))
     dist.barrier()

@@ -4,8 +4,8 @@
 //
 // Trains the fixture GPT (gpt_parity.safetensors' weights) for 4 steps with memtrain::Trainer at ZeRO stage
 // STAGE on the global batches of ddp_zero.safetensors, which scripts/reference/ddp_ref.py wrote by running
-// the same training under torch DistributedDataParallel with torch.optim.AdamW (a) and with
-// ZeroRedundancyOptimizer (b). Rank 0 prints one PASS or FAIL line per check (the losses averaged over the
+// the same training under torch DistributedDataParallel with torch.optim.AdamW (a), with
+// ZeroRedundancyOptimizer (b), and under FSDP2's fully_shard per block + root (c): stage 3 is checked against (c). Rank 0 prints one PASS or FAIL line per check (the losses averaged over the
 // ranks, every final parameter) and exits 1 if any failed.
 //
 // Not a gtest: each rank is a separate process, and helpers.h (which pulls gtest in) is not needed for the
@@ -88,7 +88,8 @@ int main(int argc, char** argv) {
     const auto parity = memtrain::load_safetensors(dir + "/gpt_parity.safetensors");
     const auto ref = memtrain::load_safetensors(dir + "/ddp_zero.safetensors");
     const auto& ddp_losses = ref.at("ddp_losses");
-    const auto& zero_losses = ref.at("zero_losses");
+    const auto& zero_losses = ref.at(stage == 3 ? "fsdp_losses" : "zero_losses");
+    const char* zero_name = stage == 3 ? "FSDP2 fully_shard" : "ZeroRedundancyOptimizer";
     const int64_t steps = ddp_losses.size(0);
 
     memtrain::GPTOptions o;
@@ -131,16 +132,17 @@ int main(int argc, char** argv) {
       checks.check(std::abs(loss - ddp) <= 1e-5 * std::abs(ddp), "step " + std::to_string(s) + " loss vs DDP");
       if (stage > 0)
         checks.check(std::abs(loss - zero) <= 1e-5 * std::abs(zero),
-                     "step " + std::to_string(s) + " loss vs ZeroRedundancyOptimizer");
+                     "step " + std::to_string(s) + " loss vs " + zero_name);
     }
 
+    trainer.data_parallel()->gather_all();  // stage 3: the full parameters (collective); no-op otherwise
     if (main) {
       // Every parameter after the last step (the losses only show the updates before it): stage 0 against
       // plain DDP's, stages 1 and 2 against ZeroRedundancyOptimizer's. One exception, as in
       // tests/models/test_parity.cpp: the key third of each c_attn.bias has a gradient that is zero but for
       // rounding (softmax ignores a shift shared by every key), which Adam, dividing by sqrt(v), turns into
       // steps of up to lr whose signs no two implementations share. It must only stay within those steps.
-      const std::string prefix = stage == 0 ? "ddp_final." : "zero_final.";
+      const std::string prefix = stage == 0 ? "ddp_final." : stage == 3 ? "fsdp_final." : "zero_final.";
       const int64_t C = o.n_embd;
       int compared = 0;
       for (const auto& item : gpt->named_parameters()) {

@@ -183,6 +183,117 @@ TEST(DataParallel, StageTwoFreesFullGradientsDuringBackward) {
                                                       << one.last_memory[0];
 }
 
+TEST(DataParallel, StageThreeMatchesStageZeroAndOneProcessWithAndWithoutRecompute) {
+  const auto one = train(1, 8, {});
+  const auto zero = train(2, 8, {"--dist.zero_stage=0"});
+  expect_same_training(one, zero, 1e-5, 1e-4);
+  for (int ranks : {2, 4}) {
+    for (const char* recompute : {"none", "all"}) {
+      SCOPED_TRACE("ranks " + std::to_string(ranks) + ", recompute " + recompute);
+      const auto three = train(ranks, 8, {"--dist.zero_stage=3", std::string("--memory.recompute=") + recompute});
+      expect_same_training(one, three, 1e-5, 1e-4);
+      if (ranks == 2) expect_same_training(zero, three, 1e-5, 1e-4);
+      EXPECT_NE(three.output.find("parameters gathered per unit (2 blocks + root), prefetch 1"), std::string::npos)
+          << three.output;
+    }
+  }
+}
+
+TEST(DataParallel, StageThreeWithTiedWeightsBf16AccumulationAndMasters) {
+  // The GPT's token embedding is also its output head (tied): one parameter used at both ends of the
+  // model, in the root unit, whose gradient must arrive exactly once. bf16 autocast, two micro-batches,
+  // recompute and the fused head; then bf16 parameters with sharded fp32 masters.
+  const std::vector<std::string> techniques = {"--train.precision=bf16", "--memory.recompute=all", "--train.accum_steps=2",
+                                               "--memory.head=fused:16", "--train.optimizer=sgd", "--train.lr=0.05"};
+  const auto one = train(1, 8, techniques);
+  auto args = techniques;
+  args.push_back("--dist.zero_stage=3");
+  expect_same_training(one, train(2, 8, args), 2e-3, 2e-2);
+  auto masters = args;
+  masters.push_back("--train.param_dtype=bf16");
+  auto one_masters = techniques;
+  one_masters.push_back("--train.param_dtype=bf16");
+  expect_same_training(train(1, 8, one_masters), train(2, 8, masters), 5e-3, 5e-2);
+}
+
+TEST(DataParallel, StageThreeKeepsOneNthOfTheParametersAndItsPeakUnderTheAnalyticBound) {
+  // GPT parameters by arithmetic: a block has 12 d^2 + 13 d (two LayerNorms 4d, qkv 3d^2 + 3d, attention
+  // projection d^2 + d, MLP 4d^2 + 4d and 4d^2 + d); the root the token embedding V d (tied head), the
+  // positions T d and the final LayerNorm 2d. Bytes are fp32.
+  const int64_t d = 64, T = 32, L = 4, V = 256;
+  const double block = 4.0 * (12 * d * d + 13 * d), root = 4.0 * (V * d + T * d + 2 * d), all = L * block + root;
+  const std::vector<std::string> model = {"--model.n_layer=4", "--model.n_embd=64"};
+  const auto one = train(1, 8, model);
+  ASSERT_EQ(one.code, 0) << one.output;
+  ASSERT_EQ(field(one.last_memory[0], "params"), all) << "the formula above is the model's size";
+  auto with = [&](int ranks, int stage, int prefetch) {
+    auto a = model;
+    a.push_back("--dist.zero_stage=" + std::to_string(stage));
+    a.push_back("--dist.prefetch=" + std::to_string(prefetch));
+    return train(ranks, 8, a);
+  };
+  for (int ranks : {2, 4}) {
+    const auto two = with(ranks, 2, 1);
+    ASSERT_EQ(two.code, 0) << two.output;
+    for (int prefetch : {0, 1}) {
+      SCOPED_TRACE("ranks " + std::to_string(ranks) + ", prefetch " + std::to_string(prefetch));
+      const auto three = with(ranks, 3, prefetch);
+      expect_same_training(one, three, 1e-5, 1e-4);
+      // The root and 1 + prefetch blocks are gathered at most (each padded to a multiple of the ranks).
+      const double gathered = root + (1 + prefetch) * block;
+      for (int rank = 0; rank < ranks; ++rank) {
+        const auto& mem = three.last_memory[static_cast<size_t>(rank)];
+        // Between steps: this rank's part of every unit only.
+        EXPECT_NEAR(field(mem, "params"), all / ranks, 0.05 * all / ranks) << "rank " << rank << ": " << mem;
+        // During the step: stage 2's measured peak, less the full parameters it holds, plus this rank's part,
+        // the gathered units and up to two units' full gradients in flight (stage 3's buckets are units;
+        // stage 2's are bucket_mib).
+        const double bound = field(two.last_memory[static_cast<size_t>(rank)], "peak_allocated") - all + all / ranks +
+                             gathered + 2 * std::max(root, block) + 64 * 1024;
+        EXPECT_LE(field(mem, "peak_allocated"), bound) << "rank " << rank << ": " << mem;
+      }
+    }
+  }
+}
+
+TEST(DataParallel, StageThreeGathersAtMostTheRootAndOnePlusPrefetchBlocks) {
+  const int64_t d = 64, T = 32, V = 256;
+  const double block = 4.0 * (12 * d * d + 13 * d), root = 4.0 * (V * d + T * d + 2 * d);
+  for (int prefetch : {0, 1, 2}) {
+    SCOPED_TRACE("prefetch " + std::to_string(prefetch));
+    const auto dir = fs::temp_directory_path() / ("memtrain-z3-" + std::to_string(::getpid()));
+    const auto out = test::shell(test::binary("memtrain-run") + " --standalone --nproc-per-node 2 -- " + test::binary("memtrain") +
+                                 " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
+                                 " --model.n_layer=6 --model.n_head=2 --model.n_embd=64 --model.block_size=32 --train.steps=2"
+                                 " --train.eval_every=0 --log.every=1 --log.progress=lines --train.micro_batch=4"
+                                 " --dist.zero_stage=3 --dist.prefetch=" + std::to_string(prefetch) +
+                                 " --log.dir=" + dir.string() + " --log.name=p 2>&1");
+    std::ifstream metrics(dir / "p" / "metrics.jsonl");
+    int lines = 0;
+    for (std::string line; std::getline(metrics, line);) {
+      if (line.find("gathered_peak_bytes") == std::string::npos) continue;
+      ++lines;
+      // Padding to a multiple of 2 ranks adds at most one element per bucket.
+      EXPECT_NEAR(field(line, "gathered_peak_bytes"), root + (1 + prefetch) * block, 4.0 * (2 + prefetch)) << line;
+    }
+    EXPECT_EQ(lines, 2) << out;
+    fs::remove_all(dir);
+  }
+}
+
+TEST(DataParallel, OffloadedOptimizerGivesTheSameTraining) {
+  for (int stage : {1, 2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    const auto on_device = train(2, 8, {"--dist.zero_stage=" + std::to_string(stage)});
+    const auto offloaded = train(2, 8, {"--dist.zero_stage=" + std::to_string(stage), "--dist.offload_optimizer=cpu"});
+    ASSERT_EQ(offloaded.code, 0) << offloaded.output;
+    EXPECT_NE(offloaded.output.find("optimizer offloaded to host memory"), std::string::npos) << offloaded.output;
+    // The same fp32 arithmetic on a copy of the part: bitwise the same.
+    EXPECT_EQ(offloaded.losses, on_device.losses);
+    for (const auto& [key, w] : on_device.weights) EXPECT_TRUE(torch::equal(offloaded.weights.at(key), w)) << key;
+  }
+}
+
 TEST(DataParallel, TorchrunLaunchesTheSameTraining) {
   const auto torchrun = fs::path(MEMTRAIN_PYTHON).parent_path() / "torchrun";
   const auto one = train(1, 8, {});
@@ -295,6 +406,28 @@ TEST(DataParallel, ACheckpointReshardsFourToTwoTwoToFourAndTwoToOne) {
   expect_close(k.run(4, "2to4", "--dist.zero_stage=1 --checkpoint.resume=" + k.checkpoint("two", 3)).second, two.second,
                "2 -> 4");
   expect_close(k.run(1, "2to1", "--checkpoint.resume=" + k.checkpoint("two", 3)).second, two.second, "2 -> 1");
+}
+
+TEST(DataParallel, AStageThreeCheckpointResumesBitExactAndReshards) {
+  // Stage 3 saves only each rank's part of the parameters: resumed in stage 3 it continues bit-exactly;
+  // resumed by 4 ranks in stage 1 and by one process, within float tolerance.
+  Kept k;
+  const auto straight = k.run(2, "straight3", "--dist.zero_stage=3 --memory.recompute=all");
+  const auto first = k.run(2, "three", "--dist.zero_stage=3 --memory.recompute=all --checkpoint.every=3");
+  ASSERT_EQ(straight.second.size(), 6u);
+  const auto resumed = k.run(2, "three", "--dist.zero_stage=3 --memory.recompute=all --checkpoint.resume=" + k.checkpoint("three", 3));
+  ASSERT_EQ(resumed.second.size(), 9u);
+  for (int s = 0; s < 3; ++s) EXPECT_EQ(resumed.second[6 + s], straight.second[3 + s]) << "step " << 4 + s;
+  const auto a = k.weights("straight3"), b = k.weights("three");
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [name, t] : a) EXPECT_TRUE(torch::equal(t, b.at(name))) << name;
+  for (const auto& [ranks, args] : std::vector<std::pair<int, std::string>>{{4, "--dist.zero_stage=1"}, {1, ""}}) {
+    const auto got = k.run(ranks, "from3-" + std::to_string(ranks), args + " --checkpoint.resume=" + k.checkpoint("three", 3)).second;
+    ASSERT_EQ(got.size(), 3u);
+    for (int s = 0; s < 3; ++s)
+      EXPECT_NEAR(std::stod(got[s]), std::stod(straight.second[3 + s]), 1e-5 * std::stod(straight.second[3 + s]))
+          << ranks << " ranks, step " << 4 + s;
+  }
 }
 
 TEST(DataParallel, AKilledRankEndsTheJobNamingItWithNoProcessLeft) {
