@@ -78,8 +78,10 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
 
   // 1. Assign parameters to buckets, last registered first (backward's order): consecutive runs of one
   //    dtype, closed at bucket_mib. A bucket fills while backward goes on, so it can be reduced (and, in
-  //    stage 2, freed) long before backward ends. Stage 3: a bucket per unit (and dtype), the last block's
-  //    first and the root's last (its tied embedding's gradient completes at the very end of backward).
+  //    stage 2, freed) long before backward ends. Stage 3: buckets never span two units (a unit is gathered
+  //    as its buckets), the last block's first and the root's last (its tied embedding's gradient completes at
+  //    the very end of backward). A bucket's parameters are freed as soon as it is complete: with buckets
+  //    smaller than a block, part of a block's storage goes before the rest of its backward has run.
   std::vector<size_t> order;  // indices into named_params
   std::vector<int64_t> unit_of(named_params.size(), 0);
   if (zero3) {
@@ -100,7 +102,7 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
     MEMTRAIN_CHECK(p.device() == device, Error, "[dist] parameter '", name, "' is on ", p.device(),
                    ", the others on ", device, ": data parallelism needs one device per rank");
     if (buckets_.empty() || members.back().front().scalar_type() != p.scalar_type() ||
-        (zero3 ? buckets_.back()->unit != unit_of[i] : buckets_.back()->size * p.element_size() >= bucket_bytes)) {
+        (zero3 && buckets_.back()->unit != unit_of[i]) || buckets_.back()->size * p.element_size() >= bucket_bytes) {
       buckets_.push_back(std::make_unique<Bucket>());
       members.emplace_back();
       member_names.emplace_back();

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""memtrain's distributed benchmark on the CPU: ZeRO stages 0, 1, 2 on 2 and 4 Gloo ranks (memtrain-run),
-side by side with PyTorch's DistributedDataParallel + AdamW and DDP + ZeroRedundancyOptimizer
-(scripts/bench/torch_ddp.py) on the same GPT, global batch and thread count.
+"""memtrain's distributed benchmark on the CPU: ZeRO stages 0-3 and optimizer offload on 2 and 4 Gloo ranks
+(memtrain-run), side by side with PyTorch's DistributedDataParallel + AdamW, DDP + ZeroRedundancyOptimizer and
+FSDP2's fully_shard (scripts/bench/torch_ddp.py) on the same GPT, global batch and thread count; then a model
+whose parameters and optimizer state do not fit a per-rank memory limit (memory.limit_mib) in stages 0-2,
+trained in stage 3.
 
   flock /tmp/memtrain-build.lock python distributed.py --build build --out docs/benchmarks/distributed_cpu.md
 
@@ -26,7 +28,23 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 BUCKET_MIB = 2
 SHAPE = dict(n_layer=4, n_head=4, n_embd=256, block_size=128, vocab=256, global_batch=16, steps=20, warmup=3)
 WORLDS = (2, 4)
-STAGES = (0, 1, 2)
+# memtrain's rows: label, extra arguments; PyTorch's nearest for the time ratio.
+MEMTRAIN = [("memtrain stage 0", ["--dist.zero_stage=0"], "PyTorch DDP + AdamW"),
+            ("memtrain stage 1", ["--dist.zero_stage=1"], "PyTorch DDP + ZeroRedundancyOptimizer"),
+            ("memtrain stage 2", ["--dist.zero_stage=2"], "PyTorch DDP + ZeroRedundancyOptimizer"),
+            ("memtrain stage 3", ["--dist.zero_stage=3"], "PyTorch FSDP2 fully_shard"),
+            ("memtrain stage 3, prefetch 0", ["--dist.zero_stage=3", "--dist.prefetch=0"], "PyTorch FSDP2 fully_shard"),
+            ("memtrain stage 2 + offload", ["--dist.zero_stage=2", "--dist.offload_optimizer=cpu"],
+             "PyTorch DDP + ZeroRedundancyOptimizer"),
+            ("memtrain stage 3 + offload", ["--dist.zero_stage=3", "--dist.offload_optimizer=cpu"], "PyTorch FSDP2 fully_shard")]
+TORCH = [("PyTorch DDP + AdamW", []), ("PyTorch DDP + ZeroRedundancyOptimizer", ["--zero"]),
+         ("PyTorch FSDP2 fully_shard", ["--fsdp"])]
+# The memory-limit runs: 25.3 M parameters (101 MB fp32; AdamW state 202 MB in one process) on 4 ranks with a
+# limit each rank's stage 2 cannot meet (its full parameters, 101 MB, besides its parts of the state and gradients:
+# a 224 MiB peak) and stage 3 can (its part of the parameters and the units gathered: a 175 MiB peak).
+BIG = dict(n_layer=8, n_head=8, n_embd=512, block_size=64, vocab=256, global_batch=8, steps=6, warmup=2)
+BIG_WORLD = 4
+BIG_LIMIT_MIB = 200
 
 
 def rss_wrap(out_dir, cmd):
@@ -40,8 +58,8 @@ def rss_wrap(out_dir, cmd):
     return code
 
 
-def run_memtrain(a, world, stage, work, name):
-    s = SHAPE
+def run_memtrain(a, world, extra, work, name, s=SHAPE, limit_mib=0):
+    """One run; None and the error line when it stops (out of memory under limit_mib)."""
     run_dir = os.path.join(work, name)
     os.makedirs(run_dir, exist_ok=True)
     args = [os.path.join(a.build, "memtrain-run"), "--standalone", "--nproc-per-node", str(world), "--",
@@ -50,9 +68,14 @@ def run_memtrain(a, world, stage, work, name):
             f"--model.n_layer={s['n_layer']}", f"--model.n_head={s['n_head']}", f"--model.n_embd={s['n_embd']}",
             f"--model.block_size={s['block_size']}", f"--train.micro_batch={s['global_batch'] // world}",
             f"--train.steps={s['steps']}", "--train.threads=1", "--train.eval_every=0", "--train.eval_batches=1",
-            "--log.every=1", "--log.progress=lines", "--checkpoint.save_final=false", f"--dist.zero_stage={stage}", f"--dist.bucket_mib={BUCKET_MIB}",
-            f"--log.dir={work}", f"--log.name={name}"]
-    subprocess.run(args, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            "--log.every=1", "--log.progress=lines", "--checkpoint.save_final=false", f"--dist.bucket_mib={BUCKET_MIB}",
+            f"--memory.limit_mib={limit_mib}", f"--log.dir={work}", f"--log.name={name}"] + extra
+    p = subprocess.run(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if p.returncode != 0:
+        if limit_mib == 0:
+            raise RuntimeError(p.stderr)
+        why = next((l for l in p.stderr.splitlines() if "memtrain:" in l and "out of memory" in l), p.stderr.strip()[-300:])
+        return None, why
     metrics = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl")) if '"ms_per_step"' in l]
     ranks = []
     for r in range(world):
@@ -60,21 +83,23 @@ def run_memtrain(a, world, stage, work, name):
         mem = [m for m in mem if m["device"] == "cpu" and m["step"] >= 1]  # the first step builds the state
         last = mem[-1]
         ranks.append(dict(peak_allocated=max(m["peak_allocated"] for m in mem), optimizer_state=last["optimizer_state"],
+                          gathered_peak=max((x.get("gathered_peak_bytes", 0) for x in metrics), default=0),
                           params=last["params"], grads=last["grads"],
                           peak_rss=int(open(os.path.join(run_dir, f"rss.rank{r}")).read())))
     times = [m["ms_per_step"] for m in metrics]
-    return dict(ms=statistics.median(times[s["warmup"]:]), times=times, comm_bytes=metrics[-1]["comm_bytes"],
-                ranks=ranks)
+    r = dict(ms=statistics.median(times[s["warmup"]:]), times=times, comm_bytes=metrics[-1]["comm_bytes"], ranks=ranks)
+    return (r, "") if limit_mib else r
 
 
-def run_torch(a, world, zero):
+def run_torch(a, world, extra):
     s = SHAPE
     args = [a.python, os.path.join(HERE, "torch_ddp.py"), f"--world={world}"] + \
-           [f"--{k}={v}" for k, v in s.items()] + (["--zero"] if zero else [])
+           [f"--{k}={v}" for k, v in s.items()] + extra
     out = subprocess.run(args, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
     r = json.loads(out)
-    return dict(ms=r["ms_per_step"], times=r["times"], comm_bytes=r["comm_bytes"], n_params=r["n_params"],
-                ranks=r["ranks"])
+    # FSDP2's collectives are not counted (its all-gathers and reduce-scatters are not wrapped).
+    return dict(ms=r["ms_per_step"], times=r["times"], comm_bytes=None if "--fsdp" in extra else r["comm_bytes"],
+                n_params=r["n_params"], ranks=r["ranks"])
 
 
 def mib(b):
@@ -93,13 +118,13 @@ def main():
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="memtrain-dist-bench-")
     t0 = time.time()
-    configs = [(w, f"memtrain stage {st}", ("memtrain", st)) for w in WORLDS for st in STAGES] + \
-              [(w, label, ("torch", z)) for w in WORLDS
-               for label, z in (("PyTorch DDP + AdamW", False), ("PyTorch DDP + ZeroRedundancyOptimizer", True))]
+    configs = [(w, label, ("memtrain", extra)) for w in WORLDS for label, extra, _ in MEMTRAIN] + \
+              [(w, label, ("torch", extra)) for w in WORLDS for label, extra in TORCH]
+    nearest = {label: ref for label, _, ref in MEMTRAIN}
     best = {}
     for rep in range(a.repeats):  # all configurations once, then again: drift hits every row alike
         for world, label, (kind, arg) in configs:
-            name = f"n{world}_{label.split()[0]}_{arg}_{rep}"
+            name = f"n{world}_{len(best)}_{rep}"
             r = run_memtrain(a, world, arg, work, name) if kind == "memtrain" else run_torch(a, world, arg)
             print(f"N={world} {label:<40} {r['ms']:8.1f} ms/step  comm {mib(r['comm_bytes'])}", flush=True)
             if (world, label) not in best or r["ms"] < best[(world, label)]["ms"]:
@@ -114,21 +139,21 @@ def main():
              f"fp32, AdamW, gradient clipping at 1.0, Gloo, one intra-op thread per rank, on a 2-core machine "
              f"(N = 4 puts two ranks on each core). Generated by `scripts/bench/distributed.py` in one run "
              f"({time.time() - t0:.0f} s); each row is the fastest of {a.repeats} runs.", "",
-             "| N | run | ms/step | time vs PyTorch | tensor peak / rank | peak RSS / rank | optimizer state / rank "
-             "| state vs 1/N of one process | grads / rank | comm / step |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| N | run | ms/step | time vs PyTorch | tensor peak / rank | peak RSS / rank | params / rank "
+             "| optimizer state / rank | state vs 1/N of one process | grads / rank | gathered peak | comm / step |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for world in WORLDS:
         for _, label, (kind, arg) in [c for c in configs if c[0] == world]:
             r = best[(world, label)]
-            ref = best[(world, "PyTorch DDP + AdamW" if kind == "memtrain" and arg == 0 else
-                        "PyTorch DDP + ZeroRedundancyOptimizer")]
+            ref = best[(world, nearest.get(label, label))]
             ratio = f"{r['ms'] / ref['ms']:.2f}" if kind == "memtrain" else "—"
             state = max(x["optimizer_state"] for x in r["ranks"])
             peak = max(x["peak_allocated"] for x in r["ranks"]) if kind == "memtrain" else None
+            gathered = max(x.get("gathered_peak", 0) for x in r["ranks"])
             lines.append(f"| {world} | {label} | {r['ms']:.1f} | {ratio} | {mib(peak)} | "
-                         f"{mib(max(x['peak_rss'] for x in r['ranks']))} | {mib(state)} | "
-                         f"{state / (full_state / world):.2f} | {mib(max(x['grads'] for x in r['ranks']))} | "
-                         f"{mib(r['comm_bytes'])} |")
+                         f"{mib(max(x['peak_rss'] for x in r['ranks']))} | {mib(max(x['params'] for x in r['ranks']))} | "
+                         f"{mib(state)} | {state / (full_state / world):.2f} | {mib(max(x['grads'] for x in r['ranks']))} | "
+                         f"{mib(gathered) if gathered else '—'} | {mib(r['comm_bytes'])} |")
     # What the table says about stage 2, from this run's numbers.
     for world in WORLDS:
         p1, p2 = (max(x["peak_allocated"] for x in best[(world, f"memtrain stage {st}")]["ranks"]) for st in (1, 2))
@@ -137,6 +162,44 @@ def main():
                   f"its step peak is {mib(p1 - p2)} below stage 1's ({mib(p2)} vs {mib(p1)}): a bucket's full-size "
                   f"gradient exists only from its first parameter's gradient to its reduce-scatter "
                   f"(dist.bucket_mib = {BUCKET_MIB}, so a few buckets are alive at a time, not the whole gradient)."]
+    for world in WORLDS:
+        two, three, z0 = (best[(world, f"memtrain stage {st}")] for st in (2, 3, 0))
+        fsdp = best[(world, "PyTorch FSDP2 fully_shard")]
+        p2, p3 = (max(x["peak_allocated"] for x in r["ranks"]) for r in (two, three))
+        lines += ["", f"N = {world}: stage 3 keeps {mib(max(x['params'] for x in three['ranks']))} of parameters per rank "
+                  f"between steps against stage 2's {mib(max(x['params'] for x in two['ranks']))}; at most "
+                  f"{mib(max(x['gathered_peak'] for x in three['ranks']))} are gathered at once (the root unit and "
+                  f"1 + dist.prefetch blocks), and its step peak is {mib(p3)} against stage 2's {mib(p2)}. Its step "
+                  f"time is {three['ms'] / fsdp['ms']:.2f}x FSDP2's and {three['ms'] / z0['ms']:.2f}x stage 0's."]
+
+    # A model that does not fit the limit in stages 0-2.
+    b = BIG
+    big_params = b["n_layer"] * (12 * b["n_embd"] ** 2 + 13 * b["n_embd"]) + (b["vocab"] + b["block_size"] + 2) * b["n_embd"]
+    lines += ["", f"## A model over the memory limit: {BIG_WORLD} ranks, memory.limit_mib = {BIG_LIMIT_MIB} per rank", "",
+              f"GPT {b['n_layer']} layers x {b['n_embd']} wide, context {b['block_size']} ({big_params:,} parameters: "
+              f"{mib(4 * big_params)} fp32, AdamW state {mib(8 * big_params)} in one process), global batch "
+              f"{b['global_batch']} ({b['global_batch'] // BIG_WORLD} per rank), {b['steps']} steps. The limit is "
+              "enforced by memtrain's counting CPU allocator: an allocation past it is an out-of-memory error, and with "
+              "several ranks the run stops naming the peak and the limit.", "",
+              "| run | result | ms/step | tensor peak / rank | params / rank | optimizer state / rank | grads / rank |",
+              "|---|---|---:|---:|---:|---:|---:|"]
+    big_rows = []
+    for label, extra, _ in MEMTRAIN:
+        if "prefetch" in label:
+            continue
+        r, why = run_memtrain(a, BIG_WORLD, extra, work, f"big_{len(big_rows)}", s=BIG, limit_mib=BIG_LIMIT_MIB)
+        big_rows.append(dict(run=label, ok=r is not None, why=why, result=r))
+        print(f"limit {BIG_LIMIT_MIB} MiB: {label:<32} {'trains' if r else 'stops: ' + why}", flush=True)
+        if r is None:
+            lines.append(f"| {label} | stops: {why.replace('|', '/')} | — | — | — | — | — |")
+        else:
+            m = lambda k: mib(max(x[k] for x in r["ranks"]))
+            lines.append(f"| {label} | trains | {r['ms']:.1f} | {m('peak_allocated')} | {m('params')} | "
+                         f"{m('optimizer_state')} | {m('grads')} |")
+    lines += ["", "On this CPU machine the host is the device: offload moves nothing to another memory, it only adds the "
+              "copy of the part the optimizer steps, so its rows show its cost, not its benefit (on a GPU the stepped part, "
+              "its gradient and the AdamW state leave the device)."]
+
     lines += ["", "## How measured", "",
               "- **ms/step**: rank 0's median over steps "
               f"{s['warmup'] + 1}-{s['steps']}. memtrain: `ms_per_step` of metrics.jsonl (log.every = 1: the loss is "
@@ -166,6 +229,10 @@ def main():
               "memtrain's `comm_bytes`; PyTorch: DDP's all-reduce comm hook (the default hook, wrapped to count) and "
               "ZeroRedundancyOptimizer's `dist.broadcast` calls (wrapped to count). The loss average is not counted.",
               "", "## Raw numbers", "", "```"]
+    for row in big_rows:
+        lines.append(json.dumps(dict(limit_mib=BIG_LIMIT_MIB, world=BIG_WORLD, run=row["run"], trains=row["ok"], why=row["why"],
+                                     ms_per_step=round(row["result"]["ms"], 2) if row["ok"] else None,
+                                     ranks=row["result"]["ranks"] if row["ok"] else None)))
     for (world, label), r in best.items():
         raw = dict(world=world, run=label, ms_per_step=round(r["ms"], 2), comm_bytes=r["comm_bytes"], ranks=r["ranks"])
         if "times" in r:

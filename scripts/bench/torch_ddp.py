@@ -2,7 +2,8 @@
 """The PyTorch side of memtrain's distributed benchmark (scripts/bench/distributed.py): the same GPT
 (scripts/reference/gpt_ref.py) on N Gloo processes (torch.multiprocessing, spawn), one intra-op thread each,
 under DistributedDataParallel with torch.optim.AdamW(fused=True), or with ZeroRedundancyOptimizer over the
-same AdamW (--zero). The step is memtrain's: zero_grad, forward, backward (DDP all-reduces the gradients),
+same AdamW (--zero), or under FSDP2 (--fsdp: torch.distributed.fsdp.fully_shard on each block, then on the
+whole model, parameters resharded after forward; ZeRO stage 3). The step is memtrain's: zero_grad, forward, backward (DDP all-reduces the gradients),
 clip_grad_norm_(1.0), optimizer step (ZeRO: each rank steps its parameters, then broadcasts them), and the
 loss averaged over the ranks and read on the host (memtrain does that on every logged step; log.every = 1).
 
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -38,7 +40,9 @@ def rss_bytes():
 
 
 def tensor_bytes(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+    """Bytes held on this rank (a DTensor's local shard only)."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def worker(rank, a, port, results):
@@ -48,14 +52,19 @@ def worker(rank, a, port, results):
     torch.manual_seed(0)
     cfg = dict(vocab_size=a.vocab, block_size=a.block_size, n_layer=a.n_layer, n_head=a.n_head, n_embd=a.n_embd)
     model = GPT(cfg)
-    ddp = DDP(model)  # PyTorch's defaults: 25 MiB buckets, gradients copied into the buckets
     comm = [0]
+    if a.fsdp:
+        for block in model.h:
+            fully_shard(block)
+        ddp = fully_shard(model)
+    else:
+        ddp = DDP(model)  # PyTorch's defaults: 25 MiB buckets, gradients copied into the buckets
 
-    def counting_allreduce(state, bucket):  # DDP's own all-reduce hook, counting the bucket's bytes
-        comm[0] += bucket.buffer().numel() * bucket.buffer().element_size()
-        return default_hooks.allreduce_hook(None, bucket)
+        def counting_allreduce(state, bucket):  # DDP's own all-reduce hook, counting the bucket's bytes
+            comm[0] += bucket.buffer().numel() * bucket.buffer().element_size()
+            return default_hooks.allreduce_hook(None, bucket)
 
-    ddp.register_comm_hook(None, counting_allreduce)
+        ddp.register_comm_hook(None, counting_allreduce)
     broadcast = dist.broadcast
 
     def counting_broadcast(tensor, *args, **kwargs):  # ZeroRedundancyOptimizer syncs parameters with these
@@ -106,6 +115,7 @@ def main():
                      warmup=3).items():
         ap.add_argument("--" + k, type=int, default=v)
     ap.add_argument("--zero", action="store_true", help="ZeroRedundancyOptimizer over AdamW")
+    ap.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard per block + root, AdamW on the shards")
     a = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks before they import torch
     ctx = mp.get_context("spawn")

@@ -12,7 +12,7 @@
 //            weights with bf16 parameters) exist for the shard only; the updated shards are all-gathered.
 //   stage 2  as 1, and a bucket's full-size gradient is freed as soon as it has been reduce-scattered.
 //   stage 3  as 2, and the parameters too: a rank keeps only its part of each bucket between uses. The
-//            buckets follow the model's units (each block, and a root unit for everything outside the
+//            buckets (still at most bucket_mib) never span two of the model's units (each block, and a root unit for everything outside the
 //            blocks: embeddings, final norm, head, and any parameter two units share). A unit's buckets are
 //            all-gathered into their full storage just before the unit runs (forward, and again before its
 //            backward), and the storage is freed right after (forward) or once every parameter of the
