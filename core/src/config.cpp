@@ -137,7 +137,7 @@ std::vector<Entry> entries(Config& c) {
       entry("dist.offload_optimizer", &dist.offload_optimizer,
             choices::join(choices::offload_optimizer) +
                 " (cpu: this rank's fp32 masters, optimizer state and reduced gradients live in host memory, pinned on "
-                "CUDA; the optimizer steps there; zero_stage 1-3)"),
+                "CUDA; the optimizer steps there; zero_stage 1-3; also in a single process: ZeRO-Offload on one device)"),
       entry("dist.bucket_mib", &dist.bucket_mib, "gradient bucket size in MiB; a bucket's reduction starts when it is full"),
       entry("dist.reduce", &dist.reduce,
             choices::join(choices::dist_reduce) +

@@ -4,6 +4,7 @@
 // here touches a gloo object or an inline member that would (docs/libtorch-notes.md).
 #include "memtrain/distributed/process_group.h"
 
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -57,7 +58,9 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& world, const Pro
   so.waitWorkers = true;
   so.timeout = g->timeout_;
   try {
-    g->store_ = c10::make_intrusive<c10d::TCPStore>(world.master_addr, so);
+    // A group of one (the sharded optimizer's offload in a single process) needs no rendezvous.
+    if (world.world_size == 1) g->store_ = c10::make_intrusive<c10d::HashStore>();
+    else g->store_ = c10::make_intrusive<c10d::TCPStore>(world.master_addr, so);
   } catch (const std::exception& e) {
     throw Error(detail::concat("[dist] rank ", world.rank, ": rendezvous at ", world.master_addr, ":", world.master_port,
                                " failed: ", world.rank == 0 ? "serving the store for " : "joining the store of ",

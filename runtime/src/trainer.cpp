@@ -121,13 +121,16 @@ void Trainer::setup() {
     if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) params_.push_back(p), names.push_back(item.key());
   }
   param_names_ = names;
+  // Several ranks use the data-parallel engine and its sharded optimizer; so does one process whose
+  // optimizer state is offloaded to host memory (a group of one: ZeRO-Offload on a single device).
+  const bool sharded = world_.world_size > 1 || config_.dist.offload_optimizer == "cpu";
   if (t.param_dtype == "bf16") {
     // bf16 parameters and gradients in the model; the optimizer steps fp32 master copies, which are
     // copied back after each step (the bf16 rounding of an update never accumulates).
     param_dtype_ = torch::kBFloat16;
     torch::OrderedDict<std::string, torch::Tensor> masters;
     // Several ranks: DataParallel keeps the masters (for this rank's part only from ZeRO stage 1).
-    for (size_t i = 0; i < params_.size() && world_.world_size == 1; ++i) {
+    for (size_t i = 0; i < params_.size() && !sharded; ++i) {
       master_.push_back(params_[i].detach().to(torch::kFloat, /*non_blocking=*/false, /*copy=*/true).requires_grad_());
       masters.insert(names[i], master_.back());
     }
@@ -152,14 +155,11 @@ void Trainer::setup() {
     };
     for (auto& p : model_->parameters()) to_bf16(p);
     for (auto& b : model_->buffers()) to_bf16(b);
-    if (world_.world_size == 1) optimizer_ = make_optimizer(optimizer_options(t), masters);
-  } else if (world_.world_size == 1) {
+    if (!sharded) optimizer_ = make_optimizer(optimizer_options(t), masters);
+  } else if (!sharded) {
     optimizer_ = make_optimizer(optimizer_options(t), model_->named_parameters());
   }
-  MEMTRAIN_CHECK(world_.world_size > 1 || config_.dist.offload_optimizer == "none", ConfigError,
-                 "[config] dist.offload_optimizer = cpu needs several ranks (memtrain-run --nproc-per-node N): "
-                 "offload is part of the sharded optimizer, which a single process does not use");
-  if (world_.world_size > 1) {
+  if (sharded) {
     // Rendezvous, process group, flat buckets; the optimizer steps the buckets' parts this rank owns.
     const auto& d = config_.dist;
     auto group = ProcessGroup::create(
@@ -350,7 +350,7 @@ void Trainer::recover_from_oom(const std::string& what) {
   std::string why_not;
   if (t.oom != "retry") why_not = "train.oom = fail";
   else if (half_updated) why_not = "it happened inside train.optimizer = " + t.optimizer + "'s update, which may have changed some parameters already (adamw, the fused one, is retried)";
-  else if (dp_) why_not = "with several ranks an out-of-memory step is not retried (the other ranks are inside its collectives)";
+  else if (dp_) why_not = "with the sharded optimizer (several ranks, or dist.offload_optimizer) an out-of-memory step is not retried (the other ranks are inside its collectives)";
   else if (t.micro_batch < next) why_not = "the micro-batch cannot be halved again (" + std::to_string(t.micro_batch) + " samples in " + std::to_string(split_) + " pieces)";
   MEMTRAIN_CHECK(why_not.empty(), Error, "[memory] ", facts.str(), "; stopping: ", why_not,
                  ". Lower train.micro_batch, recompute more (memory.recompute) or raise the limit");

@@ -17,9 +17,13 @@ Prints one JSON line:
   ranks            per rank: optimizer_state (bytes of the tensors in the optimizer's state on that rank: exp_avg,
                    exp_avg_sq, step), params, grads (.grad tensors; DDP's flat bucket copy of them is extra and
                    not counted), peak_rss (ru_maxrss: the whole process, Python and the torch import included),
-                   rss_before_model (RSS after the process group is up, before the model exists)
+                   rss_before_model (RSS after the process group is up, before the model exists); with --fsdp
+                   also tensor_peak: bytes of live CPU tensors at the peak of one more step run under
+                   torch.profiler(profile_memory=True): the local shards of the parameters and the optimizer
+                   state, plus the most the profiler's "Total Allocated" reached in that step (what the step
+                   allocated and had not freed: gathered parameters, activations, gradients)
 """
-import argparse, json, os, resource, statistics, sys, time
+import argparse, json, os, resource, statistics, sys, tempfile, time
 
 import torch
 import torch.distributed as dist
@@ -100,11 +104,26 @@ def worker(rank, a, port, results):
         mean.item()
         times.append((time.perf_counter() - t0) * 1000)
     state = [t for s in local.state.values() for t in s.values()]
+    tensor_peak = None
+    if a.fsdp:  # PyTorch keeps no CPU allocator statistics; the profiler's memory events stand in for them
+        from torch.profiler import ProfilerActivity, profile
+        x = torch.randint(0, a.vocab, (micro, a.block_size + 1), generator=g)
+        resident = tensor_bytes(model.parameters()) + tensor_bytes(state)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            opt.zero_grad(set_to_none=True)
+            _, loss = ddp(x[:, :-1], x[:, 1:])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        with tempfile.TemporaryDirectory() as d:
+            prof.export_chrome_trace(os.path.join(d, "trace.json"))
+            events = json.load(open(os.path.join(d, "trace.json")))["traceEvents"]
+        tensor_peak = resident + max(e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]")
     results.put(dict(rank=rank, times=times, comm_bytes=comms[-1], n_params=sum(p.numel() for p in model.parameters()),
                      optimizer_state=tensor_bytes(state), params=tensor_bytes(model.parameters()),
                      grads=tensor_bytes(p.grad for p in model.parameters()),
                      peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                     rss_before_model=rss_before_model))
+                     rss_before_model=rss_before_model, tensor_peak=tensor_peak))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -125,7 +144,8 @@ def main():
     r0 = ranks[0]
     print(json.dumps({"ms_per_step": statistics.median(r0["times"][a.warmup:]), "comm_bytes": r0["comm_bytes"],
                       "times": r0["times"], "n_params": r0["n_params"],
-                      "ranks": [{k: r[k] for k in ("optimizer_state", "params", "grads", "peak_rss", "rss_before_model")}
+                      "ranks": [{k: r[k] for k in ("optimizer_state", "params", "grads", "peak_rss", "rss_before_model",
+                                                   "tensor_peak")}
                                 for r in ranks]}))
 
 

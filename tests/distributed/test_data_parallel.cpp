@@ -294,6 +294,16 @@ TEST(DataParallel, OffloadedOptimizerGivesTheSameTraining) {
   }
 }
 
+TEST(DataParallel, OffloadInOneProcessTrainsAsWithoutIt) {
+  // One process with its optimizer state in host memory runs the sharded optimizer over a group of one.
+  const auto plain = train(1, 8, {});
+  const auto offloaded = train(1, 8, {"--dist.zero_stage=1", "--dist.offload_optimizer=cpu"});
+  EXPECT_NE(offloaded.output.find("ZeRO stage 1 over 1 ranks (gloo)"), std::string::npos) << offloaded.output;
+  EXPECT_NE(offloaded.output.find("optimizer offloaded to host memory"), std::string::npos) << offloaded.output;
+  // The same arithmetic on flat buckets; the clipping norm is summed in another order.
+  expect_same_training(plain, offloaded, 1e-5, 1e-4);
+}
+
 TEST(DataParallel, TorchrunLaunchesTheSameTraining) {
   const auto torchrun = fs::path(MEMTRAIN_PYTHON).parent_path() / "torchrun";
   const auto one = train(1, 8, {});
