@@ -12,3 +12,21 @@ PY="$(command -v python3)"
 "${MEMTRAIN_BUILD:-build-gpu}/memtrain" --config examples/configs/gpt2_124m_gpu.ini --train.steps=60 \
   --train.warmup_steps=10 --train.eval_every=0 --log.every=10 --log.progress=lines --log.dir=/tmp/memtrain-runs \
   --checkpoint.save_final=false 2>&1 | tee "$OUT/gpt2_124m_austen.log"
+
+# The largest GPT that trains on the one GPU with its optimizer offloaded (ZeRO-Offload in one process:
+# bf16 parameters and gradients on the device; fp32 masters, AdamW state and reduced gradients in pinned
+# host memory), every block recomputed, the fused head. Sizes grow until one fails; 4 steps each, the
+# tokens/s of the last. Host memory bounds it: 16 bytes per parameter on the host (masters, two moments,
+# the reduced gradient).
+for shape in "24 16 2048" "32 32 2560" "32 32 4096" "40 40 5120"; do
+  set -- $shape
+  echo "=== GPT ${1} layers x ${3} wide (offload)" | tee -a "$OUT/offload_gpu.log"
+  timeout 240 "${MEMTRAIN_BUILD:-build-gpu}/memtrain" --config examples/configs/gpt2_124m_gpu.ini \
+    --model.n_layer="$1" --model.n_head="$2" --model.n_embd="$3" --train.micro_batch=4 --train.accum_steps=1 \
+    --train.steps=4 --train.warmup_steps=1 --train.eval_every=0 --train.eval_batches=1 --log.every=1 \
+    --log.progress=lines --train.param_dtype=bf16 --train.precision=bf16 --memory.recompute=all \
+    --memory.head=fused --dist.zero_stage=1 --dist.offload_optimizer=cpu --log.dir=/tmp/memtrain-runs \
+    --log.overwrite=true --checkpoint.save_final=false 2>&1 | grep -E "^model|^step|parallel|error|memory|out of" \
+    | tee -a "$OUT/offload_gpu.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || break
+done

@@ -482,6 +482,29 @@ void DataParallel::gather_all() {
   });
 }
 
+std::map<std::string, torch::Tensor> DataParallel::full_parameters(bool keep) {
+  std::map<std::string, torch::Tensor> out;
+  if (options_.stage != 3) return out;
+  torch::NoGradGuard no_grad;
+  outside_the_step([&](ProcessGroup&) {
+    for (int64_t u = 0; u < num_units(); ++u) {
+      gather_unit(u);
+      wait_unit(u);
+      for (auto k : unit_buckets_[static_cast<size_t>(u)]) {
+        if (keep)
+          for (const auto& slot : index_)
+            if (slot.bucket == static_cast<int64_t>(k)) {
+              const int64_t numel = c10::multiply_integers(slot.shape);
+              out[slot.name] = buckets_[k]->flat.narrow(0, slot.offset, numel).view(slot.shape).to(
+                  torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
+            }
+        release(*buckets_[k]);
+      }
+    }
+  });
+  return out;
+}
+
 void DataParallel::release_all() {
   if (options_.stage != 3) return;
   for (auto& b : buckets_) release(*b);

@@ -11,8 +11,10 @@
 // Launched once per device, torchrun-style (RANK, WORLD_SIZE, LOCAL_RANK, ... from the environment).
 #include <signal.h>
 
+#include <cstdlib>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -108,6 +110,16 @@ int main(int argc, char** argv) {
       overrides.push_back(a);
     }
   }
+  // The trainer outlives the try: after a failure it is not destroyed, since tearing down a process group
+  // waits for collectives queued to peers that will never answer. The error is printed and the process
+  // ends at once; the launcher then stops the other ranks.
+  std::unique_ptr<memtrain::Trainer> trainer;
+  auto leave = [&trainer](int code) {
+    std::cout.flush();
+    std::cerr.flush();
+    if (trainer && trainer->world().world_size > 1) std::_Exit(code);
+    return code;
+  };
   try {
     auto config = memtrain::Config::load(config_path, overrides);
     if (memtrain::World::from_env().is_main())
@@ -118,17 +130,18 @@ int main(int argc, char** argv) {
     }
     if (sampling.count("--generate")) return sample(config, sampling);
     MEMTRAIN_CHECK(sampling.empty(), memtrain::ConfigError, sampling.begin()->first, " is for --generate");
-    memtrain::Trainer trainer(config);
-    trainer.fit();
+    trainer = std::make_unique<memtrain::Trainer>(config);
+    trainer->fit();
+    trainer.reset();
     return 0;
   } catch (const memtrain::Error& e) {
     std::cerr << "memtrain: " << e.what() << "\n";
-    return 2;
+    return leave(2);
   } catch (const c10::Error& e) {
     std::cerr << "memtrain: LibTorch error: " << e.what_without_backtrace() << "\n";
-    return 1;
+    return leave(1);
   } catch (const std::exception& e) {
     std::cerr << "memtrain: " << e.what() << "\n";
-    return 1;
+    return leave(1);
   }
 }

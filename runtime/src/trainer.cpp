@@ -527,9 +527,19 @@ EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
   return e;
 }
 
-void Trainer::save_weights(const std::string& path) const {
+void Trainer::save_weights(const std::string& path) {
+  // Stage 3: full copies by the trainer's parameter names; a tied parameter's other names find its copy
+  // by TensorImpl.
+  auto full = dp_ ? dp_->full_parameters(world_.is_main()) : std::map<std::string, torch::Tensor>{};
+  if (!world_.is_main() && dp_ && dp_->stage() == 3) return;
+  std::map<const void*, torch::Tensor> by_impl;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (auto it = full.find(param_names_[i]); it != full.end()) by_impl[params_[i].unsafeGetTensorImpl()] = it->second;
   std::map<std::string, torch::Tensor> tensors;
-  for (const auto& item : model_->named_parameters()) tensors.emplace(item.key(), item.value());
+  for (const auto& item : model_->named_parameters()) {
+    auto it = by_impl.find(item.value().unsafeGetTensorImpl());
+    tensors.emplace(item.key(), it != by_impl.end() ? it->second : item.value());
+  }
   for (const auto& item : model_->named_buffers()) tensors.emplace(item.key(), item.value());
   save_safetensors(path, tensors, {{"format", "memtrain-weights"}, {"version", "1"}, {"step", std::to_string(step_)}});
 }
@@ -760,19 +770,19 @@ void Trainer::fit() {
   const auto memory = config_.memory.track ? gather_memory_summaries() : std::vector<MemoryTracker::Summary>{};
   for (const auto& m : memory)
     summary["peak_allocated_bytes"]["rank" + std::to_string(m.rank) + "/" + m.device] = m.max_peak;
-  if (dp_) dp_->gather_all();  // stage 3: the full weights for rank 0 to save (every rank gathers)
+  // Stage 3: every rank takes part in gathering the weights, unit by unit, for rank 0 to write.
+  const auto weights_path = (fs::path(ckpt_dir_) / "model.safetensors").string();
+  if (config_.checkpoint.save_final && dp_ && dp_->stage() == 3) save_weights(weights_path);
   if (main) {
     std::cout << out.str() << "\n";
     if (config_.memory.track) std::cout << MemoryTracker::format_summary_table(memory);
     if (config_.checkpoint.save_final) {
-      const auto path = (fs::path(ckpt_dir_) / "model.safetensors").string();
-      save_weights(path);
-      std::cout << "saved weights to " << path << " and the training state to " << checkpoint_folder(ckpt_dir_, step_)
+      if (!dp_ || dp_->stage() != 3) save_weights(weights_path);
+      std::cout << "saved weights to " << weights_path << " and the training state to " << checkpoint_folder(ckpt_dir_, step_)
                 << "\n";
     }
     write_file_atomically((fs::path(run_dir_) / "summary.json").string(), summary.dump(2) + "\n");
   }
-  if (dp_) dp_->release_all();
 }
 
 std::vector<MemoryTracker::Summary> Trainer::gather_memory_summaries() {

@@ -69,12 +69,13 @@ def run_memtrain(a, world, extra, work, name, s=SHAPE, limit_mib=0):
             f"--model.block_size={s['block_size']}", f"--train.micro_batch={s['global_batch'] // world}",
             f"--train.steps={s['steps']}", "--train.threads=1", "--train.eval_every=0", "--train.eval_batches=1",
             "--log.every=1", "--log.progress=lines", "--checkpoint.save_final=false", f"--dist.bucket_mib={BUCKET_MIB}",
-            f"--memory.limit_mib={limit_mib}", f"--log.dir={work}", f"--log.name={name}"] + extra
-    p = subprocess.run(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            f"--memory.limit_mib={limit_mib}", f"--log.dir={work}", f"--log.name={name}", "--log.overwrite=true"] + extra
+    p = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if p.returncode != 0:
         if limit_mib == 0:
-            raise RuntimeError(p.stderr)
-        why = next((l for l in p.stderr.splitlines() if "memtrain:" in l and "out of memory" in l), p.stderr.strip()[-300:])
+            raise RuntimeError(p.stdout[-3000:])
+        why = next((l.split("memtrain: ", 1)[1] for l in p.stdout.splitlines() if "memtrain: " in l and "out of memory" in l),
+                   p.stdout.strip().splitlines()[-1] if p.stdout.strip() else "exit code %d" % p.returncode)
         return None, why
     metrics = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl")) if '"ms_per_step"' in l]
     ranks = []
@@ -124,8 +125,8 @@ def main():
     nearest = {label: ref for label, _, ref in MEMTRAIN}
     best = {}
     for rep in range(a.repeats):  # all configurations once, then again: drift hits every row alike
-        for world, label, (kind, arg) in configs:
-            name = f"n{world}_{len(best)}_{rep}"
+        for index, (world, label, (kind, arg)) in enumerate(configs):
+            name = f"run{index}_{rep}"
             r = run_memtrain(a, world, arg, work, name) if kind == "memtrain" else run_torch(a, world, arg)
             print(f"N={world} {label:<40} {r['ms']:8.1f} ms/step  comm {mib(r['comm_bytes'])}", flush=True)
             if (world, label) not in best or r["ms"] < best[(world, label)]["ms"]:

@@ -106,6 +106,20 @@ TEST(Config, OutOfRangeNamesRange) {
   EXPECT_NE(msg.find("model.n_embd = 30"), std::string::npos) << msg;
 }
 
+TEST(Config, ZeroStageThreePrefetchAndOffloadAreChecked) {
+  EXPECT_NO_THROW(Config::load("", {"--dist.zero_stage=3", "--dist.prefetch=2", "--dist.offload_optimizer=cpu"}));
+  auto msg = error_of([] { Config::load("", {"--dist.zero_stage=4"}); });
+  EXPECT_NE(msg.find("dist.zero_stage = 4 is out of range: expected 0, 1, 2 or 3"), std::string::npos) << msg;
+  msg = error_of([] { Config::load("", {"--dist.prefetch=-1"}); });
+  EXPECT_NE(msg.find("dist.prefetch = -1 is out of range: expected >= 0"), std::string::npos) << msg;
+  msg = error_of([] { Config::load("", {"--dist.offload_optimizer=nvme"}); });
+  EXPECT_NE(msg.find("dist.offload_optimizer = 'nvme' is not allowed; expected one of: none | cpu"), std::string::npos) << msg;
+  msg = error_of([] { Config::load("", {"--dist.offload_optimizer=cpu"}); });  // stage 0 shards nothing to offload
+  EXPECT_NE(msg.find("dist.offload_optimizer = cpu needs dist.zero_stage = 1, 2 or 3"), std::string::npos) << msg;
+  msg = error_of([] { Config::load("", {"--dist.offload_optimizer=cpu", "--dist.zero_stage=2", "--train.precision=fp16"}); });
+  EXPECT_NE(msg.find("with train.precision = fp16 is not supported"), std::string::npos) << msg;
+}
+
 TEST(Config, BadCheckpointPolicies) {
   for (const char* bad : {"every:0", "every:1.5", "budget:abc", "budget:-3", "sometimes"}) {
     auto msg = error_of([&] { Config::load("", {std::string("--memory.recompute=") + bad}); });

@@ -304,6 +304,28 @@ TEST(DataParallel, OffloadInOneProcessTrainsAsWithoutIt) {
   expect_same_training(plain, offloaded, 1e-5, 1e-4);
 }
 
+TEST(DataParallel, ARankThatFailsBetweenCollectivesEndsTheJobAtOnceNamingTheCause) {
+  // ZeRO-3 over 4 ranks under a 200 MiB limit per process: training fits (its peak is about 175 MiB), but
+  // rank 0 cannot also hold the full weights (97 MiB) for the final save. Its error must be printed and
+  // end the job at once: a failed rank that tore its process group down would wait for the gathers it had
+  // queued to peers (until dist.timeout_s), printing nothing.
+  const auto dir = fs::temp_directory_path() / ("memtrain-fail-" + std::to_string(::getpid()));
+  int code = -1;
+  const auto out = test::shell("timeout 200 " + test::binary("memtrain-run") + " --standalone --nproc-per-node 4 -- " +
+                                   test::binary("memtrain") + " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
+                                   " --model.n_layer=8 --model.n_head=8 --model.n_embd=512 --model.block_size=64"
+                                   " --train.micro_batch=2 --train.steps=2 --train.threads=1 --train.eval_every=0"
+                                   " --train.eval_batches=1 --log.every=1 --log.progress=lines --dist.bucket_mib=2"
+                                   " --dist.zero_stage=3 --memory.limit_mib=200 --dist.timeout_s=150 --log.dir=" +
+                                   dir.string() + " --log.name=f 2>&1",
+                               &code);
+  fs::remove_all(dir);
+  EXPECT_NE(code, 0) << out;
+  EXPECT_NE(code, 124) << "the job hung until the timeout:\n" << out;
+  EXPECT_NE(out.find("[rank 0] memtrain: LibTorch error: CPU out of memory"), std::string::npos) << out;
+  EXPECT_NE(out.find("step     2/2"), std::string::npos) << "training itself fits the limit:\n" << out;
+}
+
 TEST(DataParallel, TorchrunLaunchesTheSameTraining) {
   const auto torchrun = fs::path(MEMTRAIN_PYTHON).parent_path() / "torchrun";
   const auto one = train(1, 8, {});

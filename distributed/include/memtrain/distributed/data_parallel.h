@@ -38,6 +38,7 @@
 
 #include <torch/types.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -117,6 +118,9 @@ class DataParallel {
   void before_block_backward(int64_t i);
   void gather_all();
   void release_all();
+  // Stage 3: every parameter, full, copied to host memory by name when `keep` (empty otherwise), gathered
+  // one unit at a time: a rank holds one gathered unit at most besides what it keeps. Collective.
+  std::map<std::string, torch::Tensor> full_parameters(bool keep);
   // Stage 3: the parameters' parts from the stepped tensors (after loading a checkpoint into them).
   void parameters_from_stepped();
   // Bytes of gathered (full) parameter storage now held (stage 3), and the most held at once since the last call.

@@ -68,7 +68,9 @@ class Trainer {
   // says so. SIGTERM / SIGINT while it runs: the current step ends, a checkpoint is saved, fit() returns
   // (stopped_by_signal()); a second signal exits the process at once.
   void fit();
-  void save_weights(const std::string& path) const;
+  // Parameters and buffers by name, as safetensors. ZeRO stage 3 holds no full parameters: there every
+  // rank must call it (the parameters are gathered unit by unit; rank 0 writes).
+  void save_weights(const std::string& path);
   // The whole training state (core/state_checkpoint.h): parameters (fp32 masters where they exist),
   // buffers, optimizer state by parameter name, the loss scaler, the step, the recompute plan and the
   // config, as checkpoint.dir/step-N/. Collective when there are ranks (each writes its own part).
