@@ -197,7 +197,7 @@ def main():
         big_rows.append(dict(run=label, ok=r is not None, why=why, result=r))
         print(f"limit {BIG_LIMIT_MIB} MiB: {label:<32} {'trains' if r else 'stops: ' + why}", flush=True)
         if r is None:
-            lines.append(f"| {label} | stops: {why.replace('|', '/')} | — | — | — | — | — |")
+            lines.append(f"| {label} | stops: {why.split('; stopping:')[0].replace('|', '/')} | — | — | — | — | — |")
         else:
             m = lambda k: mib(max(x[k] for x in r["ranks"]))
             lines.append(f"| {label} | trains | {r['ms']:.1f} | {m('peak_allocated')} | {m('params')} | "
