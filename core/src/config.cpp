@@ -124,6 +124,9 @@ std::vector<Entry> entries(Config& c) {
       entry("memory.recompute", &mem.recompute, "activation recomputation (checkpointing): none | all | every:K | attn | mlp | budget:MiB"),
       entry("memory.offload", &mem.offload, "keep recomputed blocks' inputs in pinned CPU memory (CUDA)"),
       entry("memory.head", &mem.head, "plain | fused | fused:ROWS (LM head + loss in chunks of ROWS tokens; the logits never exist whole)"),
+      entry("memory.estimate", &mem.estimate,
+            "estimate each rank's peak before step 1 (model states from element counts, activations from a probe "
+            "forward + backward at two small micro-batches) and print it beside the measured peak"),
       entry("memory.limit_mib", &mem.limit_mib,
             "this process's memory limit in MiB (CPU: enforced by the counting allocator; CUDA: the caching "
             "allocator's fraction of the device); 0 = none"),

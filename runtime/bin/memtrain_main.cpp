@@ -34,7 +34,9 @@ constexpr const char* kUsage =
     "Trains the model the config describes; without --config, the defaults below (a small byte-level GPT on\n"
     "the prepared Jane Austen text, on the CPU). A key given twice: the last value wins.\n"
     "Sampling: memtrain --config X --generate N --weights FILE.safetensors [--prompt-ids 1,2,3] [--temperature T]\n"
-    "[--top-k K] prints N token ids continuing the prompt (default: token 0).\n";
+    "[--top-k K] prints N token ids continuing the prompt (default: token 0).\n"
+    "Estimate: memtrain estimate [--ranks N] --config X [--section.key=value ...] prints each rank's peak memory by\n"
+    "component before anything trains (a probe forward + backward at two small micro-batches), and by ZeRO stage.\n";
 
 // "1,2,3" -> {1, 2, 3}.
 std::vector<int64_t> parse_ids(const std::string& text) {
@@ -74,6 +76,37 @@ int sample(const memtrain::Config& config, const std::map<std::string, std::stri
   std::cout << "\n";
   return 0;
 }
+// `memtrain estimate`: the model and data are built in this one process (the probe needs no peers) and
+// the estimate is made for `ranks` ranks (default: WORLD_SIZE, else 1), then for every ZeRO stage.
+int estimate(const memtrain::Config& config, int ranks) {
+  if (ranks == 0) ranks = memtrain::World::from_env().world_size;
+  memtrain::Trainer trainer(config, memtrain::World{});
+  const auto in = trainer.estimate_inputs_for(ranks);
+  const auto e = memtrain::estimate_memory(in);
+  const auto device = trainer.device().is_cuda() ? trainer.device().str() : std::string("cpu");
+  std::cout << "model:  " << trainer.model().describe() << "\n"
+            << "memory estimate per rank, " << ranks << (ranks == 1 ? " rank" : " ranks") << ", " << device
+            << ", micro-batch " << config.train.micro_batch << ", recompute " << config.memory.recompute << ", head "
+            << config.memory.head << (ranks > 1 || in.offload ? ", ZeRO stage " + std::to_string(in.stage) : std::string())
+            << (in.offload ? " + offload" : "") << ":\n"
+            << e.table();
+  if (ranks > 1) {
+    std::cout << "by ZeRO stage (" << ranks << " ranks):\n";
+    for (int stage = 0; stage <= 3; ++stage) {
+      for (bool offload : {false, true}) {
+        if (offload && stage == 0) continue;
+        auto v = in;
+        v.stage = stage, v.offload = offload;
+        const auto s = memtrain::estimate_memory(v);
+        std::cout << "  stage " << stage << (offload ? " + offload" : "          ") << "  peak "
+                  << memtrain::format_bytes(s.peak_device())
+                  << (s.cuda ? ", host " + memtrain::format_bytes(s.host.peak()) : std::string()) << "\n";
+      }
+    }
+  }
+  std::cout << "json: " << e.to_json() << "\n";
+  return 0;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -87,7 +120,10 @@ int main(int argc, char** argv) {
   std::vector<std::string> overrides;
   std::map<std::string, std::string> sampling;  // --generate and its flags
   bool print_only = false;
-  for (int i = 1; i < argc; ++i) {
+  // memtrain estimate [--ranks N] [--config X] [overrides]: the memory estimate, without training.
+  const bool estimate_only = argc > 1 && std::string(argv[1]) == "estimate";
+  int estimate_ranks = 0;
+  for (int i = estimate_only ? 2 : 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--help" || a == "-h") {
       std::cout << kUsage << "\nkeys:\n" << memtrain::Config::help();
@@ -97,7 +133,18 @@ int main(int argc, char** argv) {
       std::cout << memtrain::Config::reference_markdown();
       return 0;
     }
-    if (a == "--print-config") {
+    if (estimate_only && (a == "--ranks" || a.rfind("--ranks=", 0) == 0)) {
+      const std::string v = a == "--ranks" ? (i + 1 < argc ? argv[++i] : "") : a.substr(8);
+      size_t used = 0;
+      try {
+        estimate_ranks = std::stoi(v, &used);
+      } catch (const std::exception&) {
+      }
+      if (used != v.size() || estimate_ranks < 1) {
+        std::cerr << "memtrain: estimate: --ranks '" << v << "' is not a whole number >= 1\n";
+        return 2;
+      }
+    } else if (a == "--print-config") {
       print_only = true;
     } else if ((a == "--generate" || a == "--weights" || a == "--prompt-ids" || a == "--temperature" || a == "--top-k") &&
                i + 1 < argc) {
@@ -130,6 +177,7 @@ int main(int argc, char** argv) {
     }
     if (sampling.count("--generate")) return sample(config, sampling);
     MEMTRAIN_CHECK(sampling.empty(), memtrain::ConfigError, sampling.begin()->first, " is for --generate");
+    if (estimate_only) return estimate(config, estimate_ranks);
     trainer = std::make_unique<memtrain::Trainer>(config);
     trainer->fit();
     trainer.reset();

@@ -159,6 +159,35 @@ void Trainer::setup() {
   } else if (!sharded) {
     optimizer_ = make_optimizer(optimizer_options(t), model_->named_parameters());
   }
+  // Stage 3's units (and the estimate's): each parameter's block; -1 (the root, gathered for the whole
+  // step) for those outside every block and for those two blocks share.
+  {
+    std::map<const void*, int64_t> unit;
+    for (int64_t b = 0; b < model_->num_blocks(); ++b)
+      for (const auto& p : model_->block_parameters(b)) {
+        auto [it, added] = unit.emplace(p.unsafeGetTensorImpl(), b);
+        if (!added && it->second != b) it->second = -1;
+      }
+    for (const auto& p : params_) {
+      auto it = unit.find(p.unsafeGetTensorImpl());
+      units_.push_back(it == unit.end() ? -1 : it->second);
+    }
+  }
+  policy_ = CheckpointPolicy::parse(config_.memory.recompute);
+  policy_.offload = config_.memory.offload;
+  if (policy_.mode == CheckpointPolicy::Mode::kPart) {
+    auto parts = model_->part_names();
+    MEMTRAIN_CHECK(std::find(parts.begin(), parts.end(), policy_.part) != parts.end(), ConfigError,
+                   "[config] memory.recompute = ", policy_.part, ": this model's blocks have no '", policy_.part,
+                   "' part (selective checkpointing needs a transformer; use all or every:K)");
+  }
+
+  head_rows_ = parse_head_rows(config_.memory.head);
+  MEMTRAIN_CHECK(head_rows_ < 0 || model_->has_linear_head(), ConfigError,
+                 "[config] memory.head = fused needs a model whose head is one linear map (gpt); this model's is not");
+  // Before the buckets exist: the model is whole on every rank here, and the probe needs no collective.
+  make_estimate();
+
   if (sharded) {
     // Rendezvous, process group, flat buckets; the optimizer steps the buckets' parts this rank owns.
     const auto& d = config_.dist;
@@ -166,21 +195,7 @@ void Trainer::setup() {
         world_, {.backend = d.backend, .timeout = std::chrono::seconds(d.timeout_s), .device = device_});
     std::vector<std::pair<std::string, torch::Tensor>> named;
     for (size_t i = 0; i < params_.size(); ++i) named.emplace_back(names[i], params_[i]);
-    // Stage 3's units: each parameter's block; -1 (the root, gathered for the whole step) for those outside
-    // every block and for those two blocks share.
-    std::vector<int64_t> units;
-    if (d.zero_stage == 3) {
-      std::map<const void*, int64_t> unit;
-      for (int64_t b = 0; b < model_->num_blocks(); ++b)
-        for (const auto& p : model_->block_parameters(b)) {
-          auto [it, added] = unit.emplace(p.unsafeGetTensorImpl(), b);
-          if (!added && it->second != b) it->second = -1;
-        }
-      for (const auto& p : params_) {
-        auto it = unit.find(p.unsafeGetTensorImpl());
-        units.push_back(it == unit.end() ? -1 : it->second);
-      }
-    }
+    const std::vector<int64_t> units = d.zero_stage == 3 ? units_ : std::vector<int64_t>{};
     dp_ = std::make_unique<DataParallel>(group, named,
                                          DataParallelOptions{.stage = static_cast<int>(d.zero_stage),
                                                              .bucket_mib = d.bucket_mib,
@@ -206,19 +221,6 @@ void Trainer::setup() {
                                                              .growth_interval = t.loss_scale_interval},
                                            device_);
   }
-
-  policy_ = CheckpointPolicy::parse(config_.memory.recompute);
-  policy_.offload = config_.memory.offload;
-  if (policy_.mode == CheckpointPolicy::Mode::kPart) {
-    auto parts = model_->part_names();
-    MEMTRAIN_CHECK(std::find(parts.begin(), parts.end(), policy_.part) != parts.end(), ConfigError,
-                   "[config] memory.recompute = ", policy_.part, ": this model's blocks have no '", policy_.part,
-                   "' part (selective checkpointing needs a transformer; use all or every:K)");
-  }
-
-  head_rows_ = parse_head_rows(config_.memory.head);
-  MEMTRAIN_CHECK(head_rows_ < 0 || model_->has_linear_head(), ConfigError,
-                 "[config] memory.head = fused needs a model whose head is one linear map (gpt); this model's is not");
 
   MemoryTrackerOptions mo;
   mo.rank = world_.rank;
@@ -604,9 +606,23 @@ void Trainer::fit() {
               << (peak.first > 0 ? si(peak.first) + "FLOP/s (" + peak.second + ")" : std::string("unknown: no MFU (set log.peak_tflops to report it)"))
               << "\n"
               << (dp_ ? "parallel:   " + dp_->describe() + "\n" : std::string())
-              << "run folder: " << run_dir_ << "\n"
-              << std::flush;
+              << "run folder: " << run_dir_ << "\n";
+    if (config_.memory.track && config_.memory.estimate)
+      std::cout << "memory estimate per rank, " << (device_.is_cuda() ? device_.str() : std::string("cpu")) << ":\n"
+                << estimate_.table();
+    std::cout << std::flush;
   }
+  // The measured peak of the training device beside the estimate: "X (estimate Y, +Z%)".
+  const std::string measured_device = device_.is_cuda() ? device_.str() : std::string("cpu");
+  auto against_estimate = [&](int64_t measured) {
+    std::ostringstream o;
+    const double e = static_cast<double>(estimate_.peak_device());
+    o << format_bytes(measured) << " (estimate " << format_bytes(estimate_.peak_device()) << ", " << std::showpos
+      << std::fixed << std::setprecision(1) << 100 * (e - static_cast<double>(measured)) / static_cast<double>(measured)
+      << std::noshowpos << "%)";
+    return o.str();
+  };
+  int64_t step1_peak = -1;
   // A resumed run appends to its logs; a fresh one starts them.
   const bool resumed = !resumed_from_.empty();
   if (config_.memory.track)
@@ -647,6 +663,13 @@ void Trainer::fit() {
   while (step_ < t.steps) {
     auto r = step();
     const bool last = step_ == t.steps;
+    if (step1_peak < 0 && config_.memory.track) {
+      for (const auto& m : tracker_->last())
+        if (m.device == measured_device) step1_peak = m.peak_allocated;
+      if (main && config_.memory.estimate && step1_peak >= 0)
+        std::cout << (bar ? "\n" : "") << "memory: step " << step_ << " peak " << measured_device << " "
+                  << against_estimate(step1_peak) << "\n" << std::flush;
+    }
     // Elapsed time in this loop and the time left at its mean pace so far (evaluations and saves
     // included); no host read of the device here.
     const auto now_step = std::chrono::steady_clock::now();
@@ -768,14 +791,27 @@ void Trainer::fit() {
     out << ", test accuracy " << std::setprecision(2) << 100 * test.accuracy << "% on " << test.samples << " images";
   }
   const auto memory = config_.memory.track ? gather_memory_summaries() : std::vector<MemoryTracker::Summary>{};
-  for (const auto& m : memory)
+  int64_t measured_peak = -1;  // the training device's, over steps and ranks
+  for (const auto& m : memory) {
     summary["peak_allocated_bytes"]["rank" + std::to_string(m.rank) + "/" + m.device] = m.max_peak;
+    if (m.device == measured_device) measured_peak = std::max(measured_peak, m.max_peak);
+  }
+  if (config_.memory.track && config_.memory.estimate && measured_peak > 0) {
+    auto e = nlohmann::json::parse(estimate_.to_json());
+    e["measured_peak"] = measured_peak;
+    e["measured_first_step_peak"] = step1_peak;
+    e["error"] = (static_cast<double>(estimate_.peak_device()) - static_cast<double>(measured_peak)) /
+                 static_cast<double>(measured_peak);
+    summary["memory_estimate"] = e;
+  }
   // Stage 3: every rank takes part in gathering the weights, unit by unit, for rank 0 to write.
   const auto weights_path = (fs::path(ckpt_dir_) / "model.safetensors").string();
   if (config_.checkpoint.save_final && dp_ && dp_->stage() == 3) save_weights(weights_path);
   if (main) {
     std::cout << out.str() << "\n";
     if (config_.memory.track) std::cout << MemoryTracker::format_summary_table(memory);
+    if (config_.memory.track && config_.memory.estimate && measured_peak > 0)
+      std::cout << "memory: peak " << measured_device << " over the run " << against_estimate(measured_peak) << "\n";
     if (config_.checkpoint.save_final) {
       if (!dp_ || dp_->stage() != 3) save_weights(weights_path);
       std::cout << "saved weights to " << weights_path << " and the training state to " << checkpoint_folder(ckpt_dir_, step_)

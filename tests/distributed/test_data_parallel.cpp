@@ -238,7 +238,10 @@ TEST(DataParallel, StageThreeKeepsOneNthOfTheParametersAndItsPeakUnderTheAnalyti
     for (int prefetch : {0, 1}) {
       SCOPED_TRACE("ranks " + std::to_string(ranks) + ", prefetch " + std::to_string(prefetch));
       const auto three = with(ranks, 3, prefetch);
-      expect_same_training(one, three, 1e-5, 1e-4);
+      // Four ranks sum each gradient in another order than one process; on this 64-wide model Adam's
+      // normalisation turns that fp32 rounding into up to 1.05e-4 relative on h.1.mlp.c_proj.weight
+      // (measured), just past the 1e-4 the wider models meet: 3e-4 here.
+      expect_same_training(one, three, 1e-5, 3e-4);
       // The root and 1 + prefetch blocks are gathered at most (each padded to a multiple of the ranks).
       const double gathered = root + (1 + prefetch) * block;
       for (int rank = 0; rank < ranks; ++rank) {

@@ -115,6 +115,7 @@ struct MemoryConfig {
   bool offload = false;             // keep recomputed blocks' inputs in (pinned) CPU memory
   std::string head = "plain";       // plain | fused | fused:ROWS (linear + cross-entropy in chunks)
   int64_t limit_mib = 0;            // this process's memory limit (CPU: counting allocator; CUDA: allocator fraction); 0 = none
+  bool estimate = true;             // estimate the peak before step 1 (a probe forward + backward), compare with the measured
 };
 
 struct DistConfig {

@@ -28,6 +28,7 @@
 #include "memtrain/core/state_checkpoint.h"
 #include "memtrain/models/model.h"
 #include "memtrain/optim/optimizer.h"
+#include "memtrain/runtime/memory_estimate.h"
 #include "memtrain/runtime/precision.h"
 
 namespace memtrain {
@@ -102,6 +103,14 @@ class Trainer {
   // fp32 master copies of parameters() when train.param_dtype = bf16 (the optimizer steps these); else empty.
   // BatchNorm's parameters and running statistics stay fp32 in the model then (their masters exist too).
   const std::vector<torch::Tensor>& master_weights() const { return master_; }
+  // The memory estimate made before step 1 (memory.estimate): this rank's peak by component.
+  const MemoryEstimate& memory_estimate() const { return estimate_; }
+  // The same model and config on `world` ranks (the ZeRO stage, offload and prefetch of the config):
+  // what `memtrain estimate --ranks N` prints. A probe with gradients dropped as they arrive is run
+  // the first time (several ranks keep gradients in buckets, counted apart).
+  MemoryEstimate estimate_for(int world) { return estimate_memory(estimate_inputs_for(world)); }
+  // What that estimate is made from (the planner and `memtrain estimate` vary its stage, offload, ...).
+  EstimateInputs estimate_inputs_for(int world);
 
  private:
   void setup();
@@ -115,7 +124,14 @@ class Trainer {
   Batch to_device(Batch batch) const;
   void move_grads_to_masters();  // device, and floating inputs in the parameters' dtype
   void resolve_budget_policy();
-  void sync_buffers();  // several ranks: floating buffers (BatchNorm statistics) from rank 0
+  void sync_buffers();
+  // Activation bytes of one forward + backward at micro-batch m on the training device (the tracker's
+  // activation_peak of a step): gradients kept as a single process keeps them, or dropped as they arrive
+  // (several ranks hold them in buckets). Leaves parameters, gradients and buffers as they were.
+  int64_t probe_activations(int64_t micro_batch, bool keep_grads);
+  ActivationProbe probe(bool keep_grads);  // at two micro-batches up to half the configured one
+  EstimateInputs estimate_inputs(int world) const;
+  void make_estimate();                    // setup(): estimate_ for this run  // several ranks: floating buffers (BatchNorm statistics) from rank 0
   // Every rank's memory summary (rank 0 prints them in one table); collective when there are ranks.
   std::vector<MemoryTracker::Summary> gather_memory_summaries();
 
@@ -146,6 +162,9 @@ class Trainer {
   bool in_optimizer_ = false;                 // between optimizer step's start and end (out-of-memory retries)
   std::vector<torch::Tensor> buffer_backup_;  // floating buffers at the step's start (out-of-memory retries)
   std::string resumed_from_;
+  std::vector<int64_t> units_;        // per params_ entry: its block, or -1 (the root: outside every block, or shared)
+  MemoryEstimate estimate_;
+  ActivationProbe probe_keep_, probe_drop_;
   bool stopped_by_signal_ = false;
 };
 

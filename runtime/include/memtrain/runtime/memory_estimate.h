@@ -1,0 +1,83 @@
+// Memory estimate of a run before its first step: per rank, the bytes of parameters, gradients,
+// optimizer state (moments and fp32 masters), data, activations, stage-3 gathered units and gradient
+// buckets in flight, on the training device and on the host.
+//
+// Model states are analytic (element counts x bytes, by param_dtype, optimizer, ZeRO stage, world size
+// and offload: the rules DataParallel lays its buckets out by). Activations are measured: one forward +
+// backward at two small micro-batches (the probe, Trainer::setup), extrapolated linearly to the configured
+// micro-batch — the intercept holds what does not grow with the batch (autocast's weight copies, weight
+// gradients), the slope what does.
+//
+//   EstimateInputs in{.block_elements = {...}, .root_elements = 98816, .world = 2, .stage = 2,
+//                     .probe = {.micro_batch = {2, 4}, .bytes = {21e6, 40e6}}, .micro_batch = 8};
+//   MemoryEstimate e = estimate_memory(in);
+//   std::cout << e.table();                    // per component, device and host
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace memtrain {
+
+// Activation bytes of one forward + backward (the tracker's activation_peak of a step) measured at two
+// micro-batches; at(m) extrapolates linearly. One point (micro_batch[0] == micro_batch[1]) scales it.
+struct ActivationProbe {
+  int64_t micro_batch[2] = {0, 0};
+  int64_t bytes[2] = {0, 0};
+  bool grads_included = false;  // single process: the gradients born in backward are in `bytes`
+  bool measured() const { return micro_batch[0] > 0; }
+  int64_t at(int64_t m) const;
+};
+
+struct EstimateInputs {
+  // The model's distinct trainable parameters, in elements: each block's (stage 3's units) and the rest
+  // (embeddings, final norm, head, and parameters two blocks share: the root unit).
+  std::vector<int64_t> block_elements;
+  int64_t root_elements = 0;
+  int64_t param_bytes = 4;            // per element: 4 fp32, 2 bf16 (train.param_dtype)
+  bool master_weights = false;        // bf16 parameters stepped through fp32 masters
+  int64_t state_bytes = 8;            // optimizer state per stepped element: AdamW 8 (two fp32 moments), SGD 4 or 0
+  int64_t data_bytes = 0;             // the dataset in host memory
+  bool cuda = false;                  // the training device is a GPU: host and device apart
+  int world = 1;
+  int stage = 0;
+  bool offload = false;               // dist.offload_optimizer = cpu
+  double bucket_mib = 25;
+  int64_t prefetch = 1;
+  ActivationProbe probe;
+  // One process with accumulation: the later micro-batches find the gradients of the earlier ones resident;
+  // this probe (gradients dropped as they arrive) measures what they add on top.
+  ActivationProbe probe_dropped;
+  int64_t micro_batch = 1;
+  int64_t accum_steps = 1;
+  int64_t budget_bytes = -1;          // memory.recompute = budget: the activations are held to it (no probe)
+};
+
+// Bytes per rank, by owner, on one memory.
+struct MemoryParts {
+  int64_t params = 0;
+  int64_t grads = 0;              // resident gradient buckets and reduced parts
+  int64_t optimizer_state = 0;    // moments, fp32 masters and their gradients, offloaded copies
+  int64_t data = 0;
+  int64_t activations = 0;        // the step's own peak over what was resident (with gradients born in
+                                  // backward in a single process)
+  int64_t gathered = 0;           // stage 3: full parameter storage held at once (root + (1 + prefetch) blocks)
+  int64_t buckets_in_flight = 0;  // stages 2-3: a full-size gradient bucket between its first gradient and its reduce-scatter
+  int64_t resident() const { return params + grads + optimizer_state + data; }
+  int64_t peak() const { return resident() + activations + gathered + buckets_in_flight; }
+};
+
+struct MemoryEstimate {
+  MemoryParts device;   // the training device (on a CPU run: everything)
+  MemoryParts host;     // a GPU run's host memory (data, offloaded optimizer part); empty on CPU runs
+  bool cuda = false;
+  std::string method;   // how the activations were found
+  int64_t peak_device() const { return device.peak(); }
+  std::string table() const;          // a few lines: each component, device and host
+  std::string to_json() const;        // for summary.json
+};
+
+MemoryEstimate estimate_memory(const EstimateInputs& in);
+
+}  // namespace memtrain

@@ -1,0 +1,135 @@
+#include "memtrain/runtime/memory_estimate.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <functional>
+#include <numeric>
+#include <sstream>
+
+#include "memtrain/core/memory_tracker.h"
+
+namespace memtrain {
+
+int64_t ActivationProbe::at(int64_t m) const {
+  const auto m0 = micro_batch[0], m1 = micro_batch[1];
+  if (m0 <= 0) return 0;
+  if (m1 == m0) return bytes[0] * m / m0;  // one point: proportional
+  // The line through both points; never below the smaller one (a batch smaller than the probe's).
+  const double slope = static_cast<double>(bytes[1] - bytes[0]) / static_cast<double>(m1 - m0);
+  const double v = static_cast<double>(bytes[0]) + slope * static_cast<double>(m - m0);
+  return std::max<int64_t>(static_cast<int64_t>(v), std::min(bytes[0], bytes[1]) * (m >= m0 ? 1 : 0));
+}
+
+MemoryEstimate estimate_memory(const EstimateInputs& in) {
+  MemoryEstimate e;
+  e.cuda = in.cuda;
+  const int64_t n = std::max(1, in.world);
+  const int64_t pb = in.param_bytes;
+  const int64_t blocks = std::accumulate(in.block_elements.begin(), in.block_elements.end(), int64_t{0});
+  const int64_t p = blocks + in.root_elements;
+  const bool sharded = in.world > 1 || in.offload;
+  // Rank r steps elements [r S, (r + 1) S) of every bucket (padded to a multiple of N): about P / N.
+  const int64_t part = (p + n - 1) / n;
+  const int64_t stepped = !sharded || in.stage == 0 ? p : part;
+  const int64_t reduced_bytes = in.master_weights ? 4 : pb;  // the reduced gradient is the stepped tensor's dtype
+
+  MemoryParts dev, host;
+  MemoryParts& state_home = in.offload && in.cuda ? host : dev;  // offload: the stepped part lives in host memory
+  if (!sharded) {
+    // One process: gradients are set to none at each step's start and born during backward (the probe
+    // measured them with the activations); the masters' gradients too.
+    dev.params = p * pb;
+    dev.optimizer_state = in.state_bytes * p + (in.master_weights ? 4 * p : 0);
+  } else {
+    dev.params = (in.stage == 3 ? part : p) * pb;
+    // Full-size gradient buckets stay allocated in stages 0 and 1 (views the backward accumulates into);
+    // stages 1-3 also hold this rank's reduced part, which offload moves beside the optimizer state.
+    if (in.stage <= 1) dev.grads = p * pb;
+    const int64_t reduced = in.stage == 0 ? (in.master_weights ? 4 * p : 0) : part * reduced_bytes;
+    int64_t state = in.state_bytes * stepped;
+    if (in.master_weights) state += 4 * stepped;
+    if (in.offload) {
+      // The stepped copy of the parameters' part (without masters) and the reduced gradient move to the host.
+      if (!in.master_weights) state += pb * stepped;
+      state += reduced;
+    } else {
+      dev.grads += reduced;
+    }
+    state_home.optimizer_state = state;
+    const int64_t bucket = static_cast<int64_t>(in.bucket_mib * 1024 * 1024);
+    if (in.stage >= 2) {
+      // The largest bucket: at most bucket_mib, and in stage 3 at most one unit.
+      int64_t largest = p * pb;
+      if (in.stage == 3) {
+        largest = in.root_elements * pb;
+        for (auto b : in.block_elements) largest = std::max(largest, b * pb);
+      }
+      dev.buckets_in_flight = std::min(bucket, largest);
+    }
+    if (in.stage == 3) {
+      // The root for the whole step, and the 1 + prefetch largest blocks at once.
+      auto sizes = in.block_elements;
+      std::sort(sizes.begin(), sizes.end(), std::greater<>());
+      const auto held = std::min<int64_t>(1 + in.prefetch, static_cast<int64_t>(sizes.size()));
+      dev.gathered = (in.root_elements + std::accumulate(sizes.begin(), sizes.begin() + held, int64_t{0})) * pb;
+    }
+  }
+  (in.cuda ? host : dev).data = in.data_bytes;
+  if (in.budget_bytes >= 0) {
+    dev.activations = in.budget_bytes;
+    e.method = "memory.recompute = budget: activations held to the budget (" + format_bytes(in.budget_bytes) + ")";
+  } else if (in.probe.measured()) {
+    dev.activations = in.probe.at(in.micro_batch);
+    if (!sharded && in.accum_steps > 1 && in.probe_dropped.measured()) {
+      // Micro-batches after the first: the gradients (the fp32 masters' with master weights; bf16 ones are
+      // freed after each micro-batch) are already there, and the backward adds into them.
+      const int64_t resident_grads = in.master_weights ? 4 * p : pb * p;
+      dev.activations = std::max(dev.activations, in.probe_dropped.at(in.micro_batch) + resident_grads);
+    }
+    std::ostringstream m;
+    m << "activations measured at micro-batch " << in.probe.micro_batch[0];
+    if (in.probe.micro_batch[1] != in.probe.micro_batch[0]) m << " and " << in.probe.micro_batch[1];
+    m << ", extrapolated linearly to " << in.micro_batch << "; model states from element counts";
+    e.method = m.str();
+  } else {
+    e.method = "model states only (activations not measured: memory.track = false or no counting allocator)";
+  }
+  e.device = dev;
+  e.host = host;
+  return e;
+}
+
+std::string MemoryEstimate::table() const {
+  std::ostringstream out;
+  auto line = [&](const char* what, int64_t d, int64_t h) {
+    if (d == 0 && h == 0) return;
+    out << "  " << what << std::string(20 - std::string(what).size(), ' ') << format_bytes(d);
+    if (cuda) out << "  (host " << format_bytes(h) << ")";
+    out << "\n";
+  };
+  line("parameters", device.params, host.params);
+  line("gradients", device.grads, host.grads);
+  line("optimizer state", device.optimizer_state, host.optimizer_state);
+  line("data", device.data, host.data);
+  line("activations", device.activations, host.activations);
+  line("gathered (ZeRO-3)", device.gathered, host.gathered);
+  line("bucket in flight", device.buckets_in_flight, host.buckets_in_flight);
+  out << "  peak                " << format_bytes(device.peak()) << (cuda ? " on the device, host " + format_bytes(host.peak()) : "")
+      << "\n  (" << method << ")\n";
+  return out.str();
+}
+
+std::string MemoryEstimate::to_json() const {
+  auto parts = [](const MemoryParts& p) {
+    return nlohmann::json{{"params", p.params},           {"grads", p.grads},
+                          {"optimizer_state", p.optimizer_state}, {"data", p.data},
+                          {"activations", p.activations}, {"gathered", p.gathered},
+                          {"buckets_in_flight", p.buckets_in_flight}, {"peak", p.peak()}};
+  };
+  nlohmann::json j = {{"device", parts(device)}, {"method", method}};
+  if (cuda) j["host"] = parts(host);
+  return j.dump();
+}
+
+}  // namespace memtrain

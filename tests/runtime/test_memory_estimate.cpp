@@ -1,0 +1,194 @@
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+
+#include "helpers.h"
+#include "memtrain/runtime/memory_estimate.h"
+#include "memtrain/runtime/trainer.h"
+
+namespace memtrain {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Model states by the arithmetic of the ZeRO paper (Rajbhandari et al. 2020, section 5: per parameter,
+// 2 + 2 + K bytes in mixed precision; here also fp32), divided by N where the stage shards them.
+TEST(MemoryEstimate, ModelStatesFollowTheZeroStages) {
+  EstimateInputs in;
+  in.block_elements = {200000, 200000, 300000, 100000};
+  in.root_elements = 200000;
+  const int64_t p = 1000000, n = 4;
+  in.world = static_cast<int>(n);
+  in.bucket_mib = 0.5;
+  in.prefetch = 1;
+
+  in.stage = 0;
+  auto e = estimate_memory(in).device;
+  EXPECT_EQ(e.params, 4 * p);
+  EXPECT_EQ(e.grads, 4 * p);
+  EXPECT_EQ(e.optimizer_state, 8 * p);  // AdamW: two fp32 moments
+  in.stage = 1;
+  e = estimate_memory(in).device;
+  EXPECT_EQ(e.optimizer_state, 8 * p / n);
+  EXPECT_EQ(e.grads, 4 * p + 4 * p / n);  // memtrain keeps the full buckets and the reduced part
+  in.stage = 2;
+  e = estimate_memory(in).device;
+  EXPECT_EQ(e.grads, 4 * p / n);
+  EXPECT_EQ(e.buckets_in_flight, 512 * 1024);  // one bucket_mib bucket between first gradient and reduce-scatter
+  in.stage = 3;
+  e = estimate_memory(in).device;
+  EXPECT_EQ(e.params, 4 * p / n);
+  EXPECT_EQ(e.gathered, 4 * (200000 + 300000 + 200000));  // the root and the two largest blocks (prefetch 1)
+  in.prefetch = 0;
+  EXPECT_EQ(estimate_memory(in).device.gathered, 4 * (200000 + 300000));
+
+  // bf16 parameters with fp32 masters, stage 2: 2 bytes of parameters, fp32 reduced part, 4 + 8 bytes of
+  // masters and moments for this rank's part.
+  in.stage = 2, in.param_bytes = 2, in.master_weights = true;
+  e = estimate_memory(in).device;
+  EXPECT_EQ(e.params, 2 * p);
+  EXPECT_EQ(e.grads, 4 * p / n);
+  EXPECT_EQ(e.optimizer_state, 12 * p / n);
+
+  // Offload on a GPU: nothing of the optimizer's part stays on the device.
+  in.cuda = true, in.offload = true;
+  const auto o = estimate_memory(in);
+  EXPECT_EQ(o.device.optimizer_state, 0);
+  EXPECT_EQ(o.device.grads, 0);
+  EXPECT_EQ(o.host.optimizer_state, 12 * p / n + 4 * p / n);  // masters + moments + the reduced gradient
+
+  // One process: every parameter, its moments; gradients are born in backward (in the probe's bytes).
+  EstimateInputs one;
+  one.root_elements = p;
+  e = estimate_memory(one).device;
+  EXPECT_EQ(e.params, 4 * p);
+  EXPECT_EQ(e.grads, 0);
+  EXPECT_EQ(e.optimizer_state, 8 * p);
+}
+
+TEST(MemoryEstimate, ProbeExtrapolatesAlongItsLine) {
+  ActivationProbe p;
+  p.micro_batch[0] = 2, p.micro_batch[1] = 4;
+  p.bytes[0] = 1000 + 2 * 300, p.bytes[1] = 1000 + 4 * 300;  // intercept 1000, slope 300 per sample
+  EXPECT_EQ(p.at(16), 1000 + 16 * 300);
+  EXPECT_EQ(p.at(3), 1000 + 3 * 300);
+  ActivationProbe one;
+  one.micro_batch[0] = one.micro_batch[1] = 1, one.bytes[0] = one.bytes[1] = 700;
+  EXPECT_EQ(one.at(1), 700);
+}
+
+// A GPT on synthetic tokens, big enough that activations are most of the peak.
+Config estimate_config() {
+  auto c = test::tiny_gpt_config(4);
+  c.model.n_embd = 64, c.model.block_size = 64, c.model.n_head = 4;
+  c.train.micro_batch = 8, c.train.steps = 3;
+  c.train.threads = 1;
+  return c;
+}
+
+TEST(MemoryEstimate, WithinTenPercentOfTheMeasuredPeakInOneProcess) {
+  struct Case {
+    const char* name;
+    std::function<void(Config&)> set;
+  };
+  const std::vector<Case> cases = {
+      {"fp32", [](Config&) {}},
+      {"recompute all", [](Config& c) { c.memory.recompute = "all"; }},
+      {"recompute every:2", [](Config& c) { c.memory.recompute = "every:2"; }},
+      {"recompute attn", [](Config& c) { c.memory.recompute = "attn"; }},
+      {"bf16 autocast", [](Config& c) { c.train.precision = "bf16"; }},
+      {"bf16 parameters + masters", [](Config& c) { c.train.param_dtype = "bf16"; }},
+      {"fused head", [](Config& c) { c.memory.head = "fused"; }},
+      {"accumulation 4 x 2", [](Config& c) { c.train.micro_batch = 2, c.train.accum_steps = 4; }},
+      {"sgd, micro-batch 16", [](Config& c) { c.train.optimizer = "sgd", c.train.micro_batch = 16; }},
+      {"offload (a group of one)", [](Config& c) { c.dist.zero_stage = 1, c.dist.offload_optimizer = "cpu"; }},
+  };
+  for (const auto& k : cases) {
+    SCOPED_TRACE(k.name);
+    auto c = estimate_config();
+    k.set(c);
+    Trainer t(c);
+    for (int i = 0; i < 3; ++i) t.step();
+    const auto summaries = t.tracker().summaries();
+    ASSERT_EQ(summaries.size(), 1u);
+    const double measured = static_cast<double>(summaries[0].max_peak);
+    const double estimate = static_cast<double>(t.memory_estimate().peak_device());
+    EXPECT_NEAR(estimate, measured, 0.10 * measured) << t.memory_estimate().table();
+    // Model states are counted, not measured: they equal the tracker's resident breakdown.
+    EXPECT_EQ(t.memory_estimate().device.params, summaries[0].resident.params);
+    EXPECT_EQ(t.memory_estimate().device.data, summaries[0].resident.data);
+  }
+}
+
+TEST(MemoryEstimate, TheProbeChangesNothingTrained) {
+  // Dropout on: the probe's forward draws random numbers; every step reseeds, so the run is the same.
+  auto c = estimate_config();
+  c.model.dropout = 0.1;
+  c.train.steps = 3;
+  auto run = [&](bool estimate) {
+    auto k = c;
+    k.memory.estimate = estimate;
+    Trainer t(k);
+    std::vector<double> losses;
+    for (int i = 0; i < 3; ++i) losses.push_back(t.step().loss.item<double>());
+    std::vector<torch::Tensor> params;
+    for (const auto& p : t.parameters()) params.push_back(p.detach().clone());
+    return std::make_pair(losses, params);
+  };
+  const auto with = run(true), without = run(false);
+  EXPECT_EQ(with.first, without.first);
+  for (size_t i = 0; i < with.second.size(); ++i) EXPECT_TRUE(torch::equal(with.second[i], without.second[i])) << i;
+}
+
+TEST(MemoryEstimate, WithinTenPercentOnTwoAndFourRanksForEveryStage) {
+  struct Case {
+    int ranks;
+    std::string args;
+  };
+  const std::vector<Case> cases = {{2, "--dist.zero_stage=0"},
+                                   {2, "--dist.zero_stage=1 --train.param_dtype=bf16"},
+                                   {2, "--dist.zero_stage=2 --dist.bucket_mib=0.25"},
+                                   {2, "--dist.zero_stage=3 --memory.recompute=all"},
+                                   {4, "--dist.zero_stage=3 --dist.prefetch=0"},
+                                   {4, "--dist.zero_stage=2 --dist.offload_optimizer=cpu"}};
+  for (const auto& k : cases) {
+    SCOPED_TRACE(std::to_string(k.ranks) + " ranks " + k.args);
+    test::TempDir dir;
+    int code = -1;
+    const auto out = test::shell(
+        test::binary("memtrain-run") + " --standalone --nproc-per-node " + std::to_string(k.ranks) + " -- " +
+            test::binary("memtrain") + " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
+            " --model.n_layer=4 --model.n_embd=64 --model.block_size=64 --train.micro_batch=8 --train.steps=3"
+            " --train.eval_every=0 --train.eval_batches=1 --train.threads=1 --log.progress=lines"
+            " --checkpoint.save_final=false --log.dir=" + dir.path() + " --log.name=e " + k.args + " 2>&1",
+        &code);
+    ASSERT_EQ(code, 0) << out;
+    std::ifstream in(fs::path(dir.path()) / "e" / "summary.json");
+    ASSERT_TRUE(in.good()) << out;
+    const auto summary = nlohmann::json::parse(in);
+    ASSERT_TRUE(summary.contains("memory_estimate")) << summary.dump(2);
+    const auto& e = summary["memory_estimate"];
+    const double measured = e["measured_peak"].get<double>(), estimate = e["device"]["peak"].get<double>();
+    EXPECT_NEAR(estimate, measured, 0.10 * measured) << e.dump(2);
+    EXPECT_NE(out.find("memory estimate per rank"), std::string::npos) << out;
+  }
+}
+
+TEST(MemoryEstimate, EstimateCommandPrintsEveryStage) {
+  int code = -1;
+  const auto out = test::shell(test::binary("memtrain") + " estimate --ranks 4 --config " +
+                                   test::source("examples/configs/gpt_austen_cpu.ini") + " --train.threads=1 2>&1",
+                               &code);
+  ASSERT_EQ(code, 0) << out;
+  for (const char* s : {"4 ranks", "stage 0", "stage 1 + offload", "stage 3", "peak", "json: {"})
+    EXPECT_NE(out.find(s), std::string::npos) << s << "\n" << out;
+  EXPECT_NE(test::shell(test::binary("memtrain") + " estimate --ranks zero 2>&1", &code).find("--ranks 'zero'"),
+            std::string::npos);
+  EXPECT_EQ(code, 2);
+}
+
+}  // namespace
+}  // namespace memtrain
