@@ -21,6 +21,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${MEMTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/memtrain}"
 TORCH_PIN="${MEMTRAIN_TORCH:-torch==2.11.0}"
 TOKENIZERS_PIN="tokenizers==0.22.1"  # Hugging Face's, for the BPE vocabularies of the GPT examples
+MATPLOTLIB_PIN="matplotlib==3.10.7"  # scripts/plot_memory.py: each run's memory.png
 PYTHON="${MEMTRAIN_PYTHON_BASE:-python3}"
 DATA="$CACHE/data"
 BUILD="${MEMTRAIN_BUILD:-$ROOT/build}"
@@ -110,6 +111,7 @@ fi
 # 2. The torch virtualenv, shared by every clone on this machine, keyed by the torch pin and Python.
 PYVER="$("$PYTHON" -c 'import sys;print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
 VENV="$CACHE/venv-${TORCH_PIN//=/}-py$PYVER"
+if [ "${1:-}" = "--print-venv" ]; then echo "$VENV"; exit 0; fi  # train.sh: where the plot's Python is
 mkdir -p "$CACHE"
 if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.complete" ]; then
   log "creating $VENV with $TORCH_PIN (a few minutes on a fresh machine)"
@@ -139,6 +141,10 @@ esac
 if [ "$("$VENV/bin/python" -c 'import tokenizers;print(tokenizers.__version__)' 2>/dev/null)" != "${TOKENIZERS_PIN#*==}" ]; then
   log "installing $TOKENIZERS_PIN into $VENV"
   "$VENV/bin/pip" install -q --disable-pip-version-check "$TOKENIZERS_PIN"
+fi
+if [ "$("$VENV/bin/python" -c 'import matplotlib;print(matplotlib.__version__)' 2>/dev/null)" != "${MATPLOTLIB_PIN#*==}" ]; then
+  log "installing $MATPLOTLIB_PIN into $VENV"
+  "$VENV/bin/pip" install -q --disable-pip-version-check "$MATPLOTLIB_PIN"
 fi
 
 # 3. Data from Debian packages (a failure here fails the set-up), and the BPE token files made from it

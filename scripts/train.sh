@@ -12,4 +12,17 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 config=(--config examples/configs/gpt_austen_cpu.ini)
 for a in "$@"; do [[ "$a" == --config* ]] && config=(); done
-exec "${MEMTRAIN_BUILD:-$ROOT/build}/memtrain" "${config[@]}" --log.overwrite=true "$@"
+BIN="${MEMTRAIN_BUILD:-$ROOT/build}/memtrain"
+"$BIN" "${config[@]}" --log.overwrite=true "$@"
+# The run's memory.png (matplotlib in the venv): its folder is [log] dir / name, the config file's stem by default.
+resolved="$("$BIN" "${config[@]}" "$@" --print-config 2>/dev/null)"
+get() { awk -v s="[$1]" -v k="$2" '$0==s{f=1;next} /^\[/{f=0} f&&$1==k{sub(/^[^=]*= ?/,"");print;exit}' <<<"$resolved"; }
+name="$(get log name)"
+if [ -z "$name" ]; then
+  src="$(sed -n 's/^# resolved from //p;q' <<<"$resolved")"
+  for a in "${config[@]}" "$@"; do case "$a" in --config=*) src="${a#--config=}";; esac; done
+  prev=""; for a in "${config[@]}" "$@"; do [ "$prev" = "--config" ] && src="$a"; prev="$a"; done
+  name="$(basename "${src:-run}" .ini)"
+fi
+VENV_PY="$("$ROOT/scripts/setup.sh" --print-venv)/bin/python"
+"$VENV_PY" "$ROOT/scripts/plot_memory.py" "$(get log dir)/$name" || echo "train.sh: memory.png not drawn" >&2

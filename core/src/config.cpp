@@ -150,6 +150,9 @@ std::vector<Entry> entries(Config& c) {
       entry("log.dir", &l.dir, "folder for run outputs"),
       entry("log.name", &l.name, "run name; empty = config file stem"),
       entry("log.progress", &l.progress, choices::join(choices::progress)),
+      entry("log.trace", &l.trace,
+            "write trace.json (trace.rank<N>.json with several ranks): each step's phases, evaluations and saves "
+            "with the running memory peak, for chrome://tracing or ui.perfetto.dev"),
       entry("log.peak_tflops", &l.peak_tflops,
             "the device's peak TFLOP/s for MFU; 0 = from memtrain's table of known GPUs by name and precision "
             "(on CPU: MFU is not reported unless this is set)"),

@@ -11,6 +11,7 @@
 
 #include "memtrain/core/error.h"
 #include "memtrain/core/cpu_memory.h"
+#include "memtrain/core/safetensors.h"
 
 namespace memtrain {
 
@@ -105,6 +106,8 @@ void MemoryTracker::set_resident_source(std::function<ResidentBytes(const c10::D
 
 void MemoryTracker::begin_step(int64_t step) {
   step_ = step;
+  step_begin_ = phase_begin_ = Clock::now();
+  micro_ = 0;
   for (size_t i = 0; i < options_.devices.size(); ++i) {
     reset_peak(options_.devices[i]);
     start_allocated_[i] = read_counters(options_.devices[i]).allocated;
@@ -117,10 +120,44 @@ void MemoryTracker::end_phase(Phase phase) {
   // peak names the phase in which the peak happened. Costs one counter read, no allocation hook.
   for (size_t i = 0; i < options_.devices.size(); ++i)
     marks_[i].push_back({phase, read_counters(options_.devices[i]).peak_allocated});
+  if (!tracing_) return;
+  const auto now = Clock::now();
+  const bool per_micro = phase == Phase::kForward || phase == Phase::kBackward;
+  spans_.push_back({phase_name(phase), step_, per_micro ? micro_ : -1, micros(phase_begin_), micros(now)});
+  if (phase == Phase::kBackward) ++micro_;
+  for (size_t i = 0; i < options_.devices.size(); ++i) counters_.push_back({micros(now), i, marks_[i].back().peak});
+  phase_begin_ = now;
+}
+
+int64_t MemoryTracker::micros(Clock::time_point t) const {
+  return std::chrono::duration_cast<std::chrono::microseconds>(t - origin_).count();
+}
+
+void MemoryTracker::trace_span(const std::string& name, Clock::time_point begin, Clock::time_point end) {
+  if (tracing_) spans_.push_back({name, step_, -1, micros(begin), micros(end)});
+}
+
+void MemoryTracker::write_trace(const std::string& path) const {
+  auto events = nlohmann::json::array();
+  const int pid = options_.rank;
+  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", pid}, {"args", {{"name", "rank " + std::to_string(pid)}}}});
+  for (const auto& s : spans_) {
+    nlohmann::json args = {{"step", s.step}};
+    if (s.micro >= 0) args["micro_batch"] = s.micro;
+    // Steps on one row, their phases on the next: Perfetto nests spans of one thread by time.
+    const bool step_span = s.name.rfind("step ", 0) == 0;
+    events.push_back({{"name", s.name}, {"cat", step_span ? "step" : "phase"}, {"ph", "X"}, {"ts", s.begin_us},
+                      {"dur", std::max<int64_t>(0, s.end_us - s.begin_us)}, {"pid", pid}, {"tid", 0}, {"args", args}});
+  }
+  for (const auto& c : counters_)
+    events.push_back({{"name", "peak " + options_.devices[c.device].str()}, {"ph", "C"}, {"ts", c.time_us}, {"pid", pid},
+                      {"args", {{"MiB", static_cast<double>(c.peak) / (1024.0 * 1024.0)}}}});
+  write_file_atomically(path, nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump() + "\n");
 }
 
 const std::vector<DeviceMemorySample>& MemoryTracker::end_step() {
   last_.clear();
+  if (tracing_) spans_.push_back({"step " + std::to_string(step_), step_, -1, micros(step_begin_), micros(Clock::now())});
   for (size_t i = 0; i < options_.devices.size(); ++i) {
     const auto& device = options_.devices[i];
     auto c = read_counters(device);
@@ -201,6 +238,54 @@ std::vector<MemoryTracker::Summary> MemoryTracker::summaries() const {
     out.push_back(r);
   }
   return out;
+}
+
+std::vector<MemoryTracker::AllocatorSummary> MemoryTracker::allocator_summaries() const {
+  std::vector<AllocatorSummary> out;
+  for (const auto& device : options_.devices) {
+    AllocatorSummary a;
+    a.device = device.str();
+    const auto c = read_counters(device);
+    a.allocated = c.allocated, a.reserved = c.reserved;
+    auto t = totals_.find(a.device);
+    a.peak_allocated = t == totals_.end() ? c.peak_allocated : t->second.max_peak;
+    a.peak_reserved = t == totals_.end() ? c.peak_reserved : std::max(t->second.max_reserved, t->second.max_peak);
+    if (device.is_cpu()) {
+      a.allocations = cpu_memory::allocations();
+      a.peak_reserved = a.peak_allocated;  // the counting allocator caches nothing
+    } else {
+      auto stats = cuda_allocator()->getDeviceStats(device.index());
+      constexpr size_t kAll = 0;
+      a.active = stats.active_bytes[kAll].current, a.peak_active = stats.active_bytes[kAll].peak;
+      a.allocations = stats.allocation[kAll].allocated;
+      a.alloc_retries = stats.num_alloc_retries, a.ooms = stats.num_ooms;
+      if (t != totals_.end()) a.peak_reserved = t->second.max_reserved;
+    }
+    out.push_back(a);
+  }
+  return out;
+}
+
+std::string MemoryTracker::format_allocator_summary(const std::vector<AllocatorSummary>& rows, int rank) {
+  std::ostringstream os;
+  for (const auto& a : rows) {
+    os << "memory summary, rank " << rank << ", " << a.device << " (like torch.cuda.memory_summary; peak: highest step)\n";
+    os << "  " << std::left << std::setw(26) << "metric" << std::right << std::setw(12) << "current" << std::setw(12)
+       << "peak" << "\n";
+    auto row = [&](const char* name, int64_t now, int64_t peak) {
+      os << "  " << std::left << std::setw(26) << name << std::right << std::setw(12) << format_bytes(now) << std::setw(12)
+         << format_bytes(peak) << "\n";
+    };
+    row("allocated", a.allocated, a.peak_allocated);
+    row(a.active >= 0 ? "reserved" : "reserved (= allocated)", a.reserved, a.peak_reserved);
+    if (a.active >= 0) row("active", a.active, a.peak_active);
+    row("fragmentation (res - alloc)", a.reserved - a.allocated, a.peak_reserved - a.peak_allocated);
+    os << "  " << std::left << std::setw(26) << "allocations" << std::right << std::setw(12) << a.allocations << "\n";
+    if (a.ooms >= 0)
+      os << "  " << std::left << std::setw(26) << "alloc retries / OOMs" << std::right << std::setw(12)
+         << (std::to_string(a.alloc_retries) + " / " + std::to_string(a.ooms)) << "\n";
+  }
+  return os.str();
 }
 
 std::string MemoryTracker::format_summary_table(const std::vector<Summary>& rows) {

@@ -623,8 +623,15 @@ void Trainer::fit() {
     return o.str();
   };
   int64_t step1_peak = -1;
-  // A resumed run appends to its logs; a fresh one starts them.
+  // A resumed run appends to its logs; a fresh one starts them (the trace covers this life of the run).
   const bool resumed = !resumed_from_.empty();
+  tracker_->record_trace(config_.log.trace);
+  const auto trace_path =
+      (fs::path(run_dir_) / (world_.world_size == 1 ? std::string("trace.json")
+                                                    : "trace.rank" + std::to_string(world_.rank) + ".json")).string();
+  auto write_trace = [&] {
+    if (config_.log.trace) tracker_->write_trace(trace_path);
+  };
   if (config_.memory.track)
     tracker_->write_jsonl((fs::path(run_dir_) / ("memory.rank" + std::to_string(world_.rank) + ".jsonl")).string(),
                           /*append=*/resumed);
@@ -638,6 +645,7 @@ void Trainer::fit() {
   auto save_and_say = [&] {
     const auto begin = std::chrono::steady_clock::now();
     const auto folder = save_checkpoint();
+    tracker_->trace_span("checkpoint save", begin, std::chrono::steady_clock::now());
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
     if (main) {
       std::uintmax_t bytes = 0;
@@ -734,7 +742,9 @@ void Trainer::fit() {
     }
     if (bar && main) draw_bar();  // every step on a terminal
     if (t.eval_every > 0 && step_ % t.eval_every == 0 && !last) {
+      const auto eval_begin = std::chrono::steady_clock::now();
       auto e = evaluate(data_->val_batches(t.micro_batch, t.eval_batches));
+      tracker_->trace_span("evaluation", eval_begin, std::chrono::steady_clock::now());
       metrics << nlohmann::json({{"step", step_}, {"val_loss", e.loss}}).dump() << "\n" << std::flush;
       if (main) std::cout << (bar ? "\n" : "") << "eval step " << step_ << ": val loss " << std::fixed
                           << std::setprecision(4) << e.loss << "\n" << std::flush;
@@ -746,6 +756,7 @@ void Trainer::fit() {
     if (stop_requested()) {  // every rank: a collective
       const auto where = last_saved_step_ == step_ ? checkpoint_folder(ckpt_dir_, step_) : save_and_say();
       stopped_by_signal_ = true;
+      write_trace();
       if (main) {
         const int sig = detail::StopSignals::received();
         std::cout << (bar ? "\n" : "") << "memtrain: stopped by " << (sig ? strsignal(sig) : "a signal to another rank")
@@ -771,7 +782,10 @@ void Trainer::fit() {
       if (peak.first > 0) summary["mfu"] = flops / (peak.first * world_.world_size);
     }
   }
+  const auto eval_begin = std::chrono::steady_clock::now();
   auto val = evaluate(data_->val_batches(t.micro_batch, t.eval_batches));
+  tracker_->trace_span("evaluation", eval_begin, std::chrono::steady_clock::now());
+  write_trace();
   summary["val_loss"] = val.loss;
   auto test_batches = data_->test_batches(256);
   // Whether there is a test split is the dataset's, not this rank's share of it: with more ranks than
@@ -810,6 +824,18 @@ void Trainer::fit() {
   if (main) {
     std::cout << out.str() << "\n";
     if (config_.memory.track) std::cout << MemoryTracker::format_summary_table(memory);
+    if (config_.memory.track) {
+      const auto allocator = tracker_->allocator_summaries();
+      std::cout << MemoryTracker::format_allocator_summary(allocator, world_.rank);
+      for (const auto& a : allocator) {
+        auto& j = summary["memory_summary"][a.device];
+        j = {{"allocated", a.allocated}, {"peak_allocated", a.peak_allocated}, {"reserved", a.reserved},
+             {"peak_reserved", a.peak_reserved}, {"fragmentation", a.reserved - a.allocated},
+             {"allocations", a.allocations}};
+        if (a.active >= 0) j["active"] = a.active, j["peak_active"] = a.peak_active, j["alloc_retries"] = a.alloc_retries,
+                           j["ooms"] = a.ooms;
+      }
+    }
     if (config_.memory.track && config_.memory.estimate && measured_peak > 0)
       std::cout << "memory: peak " << measured_device << " over the run " << against_estimate(measured_peak) << "\n";
     if (config_.checkpoint.save_final) {

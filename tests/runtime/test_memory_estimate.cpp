@@ -190,5 +190,75 @@ TEST(MemoryEstimate, EstimateCommandPrintsEveryStage) {
   EXPECT_EQ(code, 2);
 }
 
+// The default job's reports, from the binary: trace.json, the memory summary in summary.json against the
+// JSONL, and memory.png drawn by scripts/plot_memory.py (what scripts/train.sh runs after training).
+TEST(Reports, TheDefaultJobWritesATraceASummaryAndAPlot) {
+  test::TempDir dir;
+  int code = -1;
+  const int steps = 6;
+  const auto out = test::shell(test::binary("memtrain") + " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
+                                   " --train.steps=" + std::to_string(steps) + " --train.eval_every=3 --train.eval_batches=1"
+                                   " --train.threads=1 --log.every=1 --log.progress=lines --checkpoint.every=3 --log.dir=" +
+                                   dir.path() + " --log.name=d 2>&1",
+                               &code);
+  ASSERT_EQ(code, 0) << out;
+  const auto run = fs::path(dir.path()) / "d";
+
+  // The trace parses; it holds every step with a forward, a backward and an optimizer phase inside it, the
+  // evaluation and the save, and a memory counter at each phase boundary.
+  std::ifstream trace_file(run / "trace.json");
+  ASSERT_TRUE(trace_file.good()) << out;
+  const auto trace = nlohmann::json::parse(trace_file)["traceEvents"];
+  std::map<std::string, int> spans;
+  std::map<int64_t, std::pair<int64_t, int64_t>> step_spans;  // step -> [begin, end)
+  int counters = 0;
+  for (const auto& e : trace) {
+    if (e["ph"] == "C") ++counters;
+    if (e["ph"] != "X") continue;
+    const auto name = e["name"].get<std::string>();
+    if (name.rfind("step ", 0) == 0) {
+      step_spans[std::stoll(name.substr(5))] = {e["ts"].get<int64_t>(), e["ts"].get<int64_t>() + e["dur"].get<int64_t>()};
+    } else {
+      ++spans[name];
+    }
+  }
+  ASSERT_EQ(step_spans.size(), static_cast<size_t>(steps));
+  for (const char* phase : {"forward", "backward", "optimizer"}) EXPECT_EQ(spans[phase], steps) << phase;
+  EXPECT_EQ(spans["evaluation"], 2) << "at step 3, and the final one after step 6 (which replaces step 6's)";
+  EXPECT_GE(spans["checkpoint save"], 2);
+  EXPECT_EQ(counters, 3 * steps);  // one device, three phase boundaries per step
+  for (const auto& e : trace) {
+    if (e["ph"] != "X" || e["name"] != "forward") continue;
+    const auto [b, end] = step_spans.at(e["args"]["step"].get<int64_t>());
+    EXPECT_GE(e["ts"].get<int64_t>(), b);
+    EXPECT_LE(e["ts"].get<int64_t>() + e["dur"].get<int64_t>(), end);
+  }
+
+  // The summary's peak is the highest step peak of the JSONL; its allocation count is a count.
+  std::ifstream summary_file(run / "summary.json");
+  const auto summary = nlohmann::json::parse(summary_file);
+  int64_t jsonl_peak = 0;
+  std::ifstream jsonl(run / "memory.rank0.jsonl");
+  for (std::string line; std::getline(jsonl, line);)
+    jsonl_peak = std::max(jsonl_peak, nlohmann::json::parse(line)["peak_allocated"].get<int64_t>());
+  const auto& cpu = summary["memory_summary"]["cpu"];
+  EXPECT_EQ(cpu["peak_allocated"].get<int64_t>(), jsonl_peak);
+  EXPECT_EQ(summary["memory_estimate"]["measured_peak"].get<int64_t>(), jsonl_peak);
+  EXPECT_EQ(cpu["fragmentation"].get<int64_t>(), 0);  // the counting allocator caches nothing
+  EXPECT_GT(cpu["allocations"].get<int64_t>(), steps);
+  EXPECT_NE(out.find("memory summary, rank 0, cpu"), std::string::npos) << out;
+
+  // The plot: a PNG file (its 8-byte signature) of some size.
+  const auto plot = test::shell(std::string(MEMTRAIN_PYTHON) + " " + test::source("scripts/plot_memory.py") + " " +
+                                    run.string() + " 2>&1",
+                                &code);
+  ASSERT_EQ(code, 0) << plot;
+  std::ifstream png(run / "memory.png", std::ios::binary);
+  std::string head(8, '\0');
+  png.read(head.data(), 8);
+  EXPECT_EQ(head, std::string("\x89PNG\r\n\x1a\n", 8));
+  EXPECT_GT(fs::file_size(run / "memory.png"), 10000u);
+}
+
 }  // namespace
 }  // namespace memtrain

@@ -18,6 +18,7 @@
 
 #include <torch/types.h>
 
+#include <chrono>
 #include <cstdint>
 #include <fstream>
 #include <functional>
@@ -96,6 +97,16 @@ class MemoryTracker {
 
   const std::vector<DeviceMemorySample>& last() const { return last_; }
 
+  // A Chrome / Perfetto trace (chrome://tracing, ui.perfetto.dev): each step and each of its phases as a
+  // span on this rank's timeline (host time: on CUDA a phase ends when its work is queued, as the step does
+  // not synchronise), and each device's running peak at every phase boundary as a counter.
+  using Clock = std::chrono::steady_clock;
+  void record_trace(bool on) { tracing_ = on; }
+  // A span outside the steps (an evaluation, a checkpoint save).
+  void trace_span(const std::string& name, Clock::time_point begin, Clock::time_point end);
+  // The recorded trace as JSON ({"traceEvents": [...]}), written atomically to `path`.
+  void write_trace(const std::string& path) const;
+
   // One device of one rank over the run, for the end-of-run table. Bytes.
   struct Summary {
     int rank = 0;
@@ -109,6 +120,20 @@ class MemoryTracker {
     ResidentBytes resident;           // at the last step's end
   };
   std::vector<Summary> summaries() const;
+  // Like torch.cuda.memory_summary(), per tracked device of this rank: allocated, reserved and (CUDA)
+  // active bytes, now and at the highest step peak; the number of allocations; fragmentation = reserved -
+  // allocated; CUDA's allocation retries and out-of-memory count. The peaks are the max over the steps'
+  // peak_allocated / peak_reserved of the JSONL (the allocator's peaks are reset at each step's start).
+  struct AllocatorSummary {
+    std::string device;
+    int64_t allocated = 0, peak_allocated = 0;
+    int64_t reserved = 0, peak_reserved = 0;
+    int64_t active = -1, peak_active = -1;  // CUDA only
+    int64_t allocations = 0;                // since the process started (CPU: since cpu_memory::install())
+    int64_t alloc_retries = -1, ooms = -1;  // CUDA only
+  };
+  std::vector<AllocatorSummary> allocator_summaries() const;
+  static std::string format_allocator_summary(const std::vector<AllocatorSummary>& rows, int rank);
   std::string summary_table() const { return format_summary_table(summaries()); }
   // A table of several ranks' summaries (rank 0 prints every rank's after gathering them).
   static std::string format_summary_table(const std::vector<Summary>& rows);
@@ -136,6 +161,24 @@ class MemoryTracker {
   std::vector<std::vector<PhaseMark>> marks_;    // per device, this step
   std::vector<DeviceMemorySample> last_;
   std::map<std::string, Totals> totals_;
+  // The trace: spans and counters, in microseconds since the tracker was made.
+  struct TraceSpan {
+    std::string name;
+    int64_t step = 0, micro = -1;  // micro-batch of a forward / backward span
+    int64_t begin_us = 0, end_us = 0;
+  };
+  struct TraceCounter {
+    int64_t time_us = 0;
+    size_t device = 0;
+    int64_t peak = 0;
+  };
+  int64_t micros(Clock::time_point t) const;
+  bool tracing_ = false;
+  Clock::time_point origin_ = Clock::now();
+  Clock::time_point step_begin_, phase_begin_;
+  int64_t micro_ = 0;
+  std::vector<TraceSpan> spans_;
+  std::vector<TraceCounter> counters_;
 };
 
 std::string format_bytes(int64_t bytes);

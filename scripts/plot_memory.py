@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""memory.png of a run folder: per rank, the memory of every step, the resident breakdown stacked
+(parameters, gradients, optimizer state, data) with the step's activation peak on top, the peak as a line,
+and the estimate (summary.json, made before step 1) and the memory limit as horizontal lines.
+
+  venv/bin/python scripts/plot_memory.py runs/gpt_austen_cpu        # writes runs/gpt_austen_cpu/memory.png
+
+Reads memory.rank<N>.jsonl (one line per step and device) and summary.json; the device plotted is the
+training device (a GPU's when the run had one, else the CPU). Needs matplotlib (set-up installs it).
+"""
+import glob, json, os, re, sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+MIB = 2**20
+STACK = [("params", "parameters"), ("grads", "gradients"), ("optimizer_state", "optimizer state"), ("data", "data")]
+
+
+def load(run):
+    ranks = {}
+    for path in sorted(glob.glob(os.path.join(run, "memory.rank*.jsonl"))):
+        rank = int(re.search(r"memory\.rank(\d+)\.jsonl$", path).group(1))
+        rows = [json.loads(line) for line in open(path) if line.strip()]
+        gpu = [r for r in rows if r["device"] != "cpu"]
+        ranks[rank] = gpu or rows
+    if not ranks:
+        raise SystemExit(f"plot_memory: no memory.rank*.jsonl in {run}")
+    summary = {}
+    if os.path.exists(os.path.join(run, "summary.json")):
+        summary = json.load(open(os.path.join(run, "summary.json")))
+    limit = None
+    cfg = os.path.join(run, "config.ini")
+    if os.path.exists(cfg):
+        section = ""
+        for line in open(cfg):
+            line = line.strip()
+            if line.startswith("["):
+                section = line.strip("[]")
+            elif section == "memory" and line.replace(" ", "").startswith("limit_mib="):
+                value = float(line.split("=", 1)[1])
+                limit = value * MIB if value > 0 else None
+    return ranks, summary, limit
+
+
+def main(argv):
+    if len(argv) != 2:
+        raise SystemExit(__doc__)
+    run = argv[1]
+    ranks, summary, limit = load(run)
+    fig, axes = plt.subplots(len(ranks), 1, figsize=(9, 3.2 * len(ranks)), squeeze=False, sharex=True)
+    estimate = summary.get("memory_estimate", {}).get("device", {}).get("peak")
+    for ax, (rank, rows) in zip(axes[:, 0], sorted(ranks.items())):
+        steps = [r["step"] for r in rows]
+        bottom = [0.0] * len(rows)
+        for key, label in STACK:
+            values = [r.get(key, 0) / MIB for r in rows]
+            ax.fill_between(steps, bottom, [b + v for b, v in zip(bottom, values)], step="mid", label=label, alpha=0.8)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        # The step's own peak above what was resident at its start (activations, gradients born in backward).
+        tops = [r["peak_allocated"] / MIB for r in rows]
+        ax.fill_between(steps, bottom, [max(b, t) for b, t in zip(bottom, tops)], step="mid", label="step's activation peak",
+                        alpha=0.35, color="grey")
+        ax.plot(steps, tops, drawstyle="steps-mid", color="black", linewidth=1, label="peak allocated")
+        if estimate:
+            ax.axhline(estimate / MIB, color="tab:red", linestyle="--", linewidth=1, label="estimate (before step 1)")
+        if limit:
+            ax.axhline(limit / MIB, color="tab:purple", linestyle=":", linewidth=1.5, label="memory.limit_mib")
+        phases = sorted({r["peak_phase"] for r in rows})
+        ax.set_title(f"rank {rank}, {rows[0]['device']}: peak in {', '.join(phases)}", fontsize=9)
+        ax.set_ylabel("MiB")
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=7, loc="lower right", ncol=2)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    out = os.path.join(run, "memory.png")
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv)
