@@ -127,6 +127,11 @@ std::vector<Entry> entries(Config& c) {
       entry("memory.estimate", &mem.estimate,
             "estimate each rank's peak before step 1 (model states from element counts, activations from a probe "
             "forward + backward at two small micro-batches) and print it beside the measured peak"),
+      entry("memory.budget_mib", &mem.budget_mib,
+            "plan to a memory budget per rank: MiB | auto (the device's free memory, on CPU the machine's available "
+            "memory, less 10%) | 0 (off). The planner keeps the global batch and chooses train.micro_batch / "
+            "accum_steps, memory.recompute, memory.head and (several ranks) dist.zero_stage: the fastest whose "
+            "estimate fits"),
       entry("memory.limit_mib", &mem.limit_mib,
             "this process's memory limit in MiB (CPU: enforced by the counting allocator; CUDA: the caching "
             "allocator's fraction of the device); 0 = none"),
@@ -495,6 +500,23 @@ void Config::validate() const {
   check_one_of("train.on_nonfinite", train.on_nonfinite, choices::on_nonfinite);
   check_range("train.max_nonfinite", train.max_nonfinite, train.max_nonfinite >= 1, ">= 1");
   check_range("memory.limit_mib", memory.limit_mib, memory.limit_mib >= 0, ">= 0 (0 = no limit)");
+  {
+    const auto& b = memory.budget_mib;
+    size_t used = 0;
+    double v = -1;
+    try {
+      v = std::stod(b, &used);
+    } catch (const std::exception&) {
+    }
+    MEMTRAIN_CHECK(b == "auto" || (used == b.size() && v >= 0), ConfigError, "[config] memory.budget_mib = '", b,
+                   "': expected MiB (a number >= 0; 0 = no planner) or auto");
+    const bool planning = b == "auto" || v > 0;
+    MEMTRAIN_CHECK(!planning || memory.recompute.rfind("budget:", 0) != 0, ConfigError,
+                   "[config] memory.budget_mib = ", b, " plans the recompute policy itself; memory.recompute = ",
+                   memory.recompute, " is another budget: set one of them");
+    MEMTRAIN_CHECK(!planning || (memory.track && memory.estimate), ConfigError, "[config] memory.budget_mib = ", b,
+                   " needs memory.track = true and memory.estimate = true (the planner works from the estimate)");
+  }
 }
 
 std::string Config::to_ini() const {

@@ -49,6 +49,7 @@ class WindowDataset : public Dataset {
   };
   WindowDataset(Source source, int64_t block_size, int64_t seed, int64_t accum, Shard shard)
       : src_(std::move(source)), block_(block_size), seed_(seed), accum_(accum), shard_(shard) {}
+  void set_accum_steps(int64_t accum_steps) override { accum_ = accum_steps; }
 
   DataInfo info() const override {
     DataInfo d;
@@ -259,6 +260,8 @@ class FashionMnistDataset : public Dataset {
     test_x_ = normalize(test.images());
     test_y_ = test.targets();
   }
+  void set_accum_steps(int64_t accum_steps) override { accum_ = accum_steps; }
+
 
   DataInfo info() const override { return {}; }  // 1 x 28 x 28, 10 classes: DataInfo's defaults
 

@@ -21,6 +21,14 @@ int64_t ActivationProbe::at(int64_t m) const {
   return std::max<int64_t>(static_cast<int64_t>(v), std::min(bytes[0], bytes[1]) * (m >= m0 ? 1 : 0));
 }
 
+double ActivationProbe::ms_at(int64_t m) const {
+  const auto m0 = micro_batch[0], m1 = micro_batch[1];
+  if (m0 <= 0) return 0;
+  if (m1 == m0) return ms[0] * static_cast<double>(m) / static_cast<double>(m0);
+  const double slope = (ms[1] - ms[0]) / static_cast<double>(m1 - m0);
+  return std::max(0.0, ms[0] + slope * static_cast<double>(m - m0));
+}
+
 MemoryEstimate estimate_memory(const EstimateInputs& in) {
   MemoryEstimate e;
   e.cuda = in.cuda;

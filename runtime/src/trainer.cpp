@@ -173,6 +173,10 @@ void Trainer::setup() {
       units_.push_back(it == unit.end() ? -1 : it->second);
     }
   }
+  // memory.budget_mib: the settings below (micro-batch, recompute, head, stage) are the plan's.
+  if (config_.memory.budget_mib != "0" && config_.memory.budget_mib != "auto" ? std::stod(config_.memory.budget_mib) > 0
+                                                                           : config_.memory.budget_mib == "auto")
+    plan_to_budget();
   policy_ = CheckpointPolicy::parse(config_.memory.recompute);
   policy_.offload = config_.memory.offload;
   if (policy_.mode == CheckpointPolicy::Mode::kPart) {
@@ -488,6 +492,11 @@ EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
   sync_buffers();
   torch::NoGradGuard no_grad;
   model_->eval();
+  // Evaluation's own peak on the training device (between steps: the step's peaks are reset at its start).
+  const c10::Device measured = device_.is_cuda() ? device_ : c10::Device(c10::kCPU);
+  const bool track = config_.memory.track && (device_.is_cuda() || cpu_memory::installed());
+  const int64_t eval_start = track ? read_counters(measured).allocated : 0;
+  if (track) reset_peak(measured);
   const int64_t traffic = dp_ ? dp_->traffic_mark() : 0;
   EvalResult e;
   double loss_sum = 0;
@@ -497,12 +506,31 @@ EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
     auto moved = to_device(b);
     auto x = moved.input, y = moved.target;
     torch::Tensor out;
+    const auto n = y.size(0);
     {
       AutocastGuard autocast(device_.type(), autocast_dtype(precision_));
       if (dp_) dp_->begin_forward();
-      out = model_->head(run_blocks(*model_, x, policy_, block_hooks_.get()));  // no-grad: nothing recomputed
+      auto h = run_blocks(*model_, x, policy_, block_hooks_.get());  // no-grad: nothing recomputed
+      if (head_rows_ >= 0) {
+        // memory.head = fused: the loss chunk by chunk of tokens (2^24 logits at a time, or ROWS rows), so
+        // the tokens x vocabulary logits never exist whole here either.
+        auto [features, weight] = *model_->head_features(h);
+        auto f = features.reshape({-1, features.size(-1)});
+        auto target = y.reshape({-1});
+        const int64_t rows = head_rows_ > 0 ? head_rows_ : std::max<int64_t>(1, (int64_t{1} << 24) / weight.size(0));
+        auto sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(device_));
+        for (int64_t r = 0; r < f.size(0); r += rows) {
+          auto logits = torch::matmul(f.narrow(0, r, std::min(rows, f.size(0) - r)), weight.t()).to(torch::kFloat);
+          sum += torch::nn::functional::cross_entropy(
+                     logits, target.narrow(0, r, logits.size(0)),
+                     torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)).to(torch::kDouble);
+        }
+        loss_sum += sum.item<double>() / static_cast<double>(target.numel()) * static_cast<double>(n);
+        e.samples += n;
+        continue;
+      }
+      out = model_->head(h);
     }
-    const auto n = y.size(0);
     loss_sum += model_->loss(out, y).item<double>() * static_cast<double>(n);
     if (out.dim() == 2) {
       classifier = true;
@@ -511,6 +539,7 @@ EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
     e.samples += n;
   }
   model_->train();
+  if (track) e.peak_bytes = read_counters(measured).peak_allocated, e.activation_peak = e.peak_bytes - eval_start;
   if (dp_) dp_->release_all(), dp_->not_step_traffic(traffic);
   if (dp_) {  // every rank evaluated its own part: sums over ranks
     auto sums = torch::tensor({loss_sum, static_cast<double>(correct), static_cast<double>(e.samples)},
@@ -671,6 +700,19 @@ void Trainer::fit() {
   while (step_ < t.steps) {
     auto r = step();
     const bool last = step_ == t.steps;
+    if (!plan_candidates_.empty() && step_ == start_step + 2) {
+      // The plan against the first steady step's peak (the optimizer state exists from step 1 on); several
+      // ranks decide on their mean peak, so that they change together.
+      double peak = 0;
+      for (const auto& m : tracker_->last())
+        if (m.device == measured_device) peak = static_cast<double>(m.peak_allocated);
+      if (dp_) {
+        auto p = torch::tensor({peak}, torch::TensorOptions().dtype(torch::kDouble).device(device_));
+        dp_->group_all_reduce_sum(p);
+        peak = p.item<double>() / world_.world_size;
+      }
+      correct_plan(static_cast<int64_t>(peak));
+    }
     if (step1_peak < 0 && config_.memory.track) {
       for (const auto& m : tracker_->last())
         if (m.device == measured_device) step1_peak = m.peak_allocated;
@@ -745,7 +787,9 @@ void Trainer::fit() {
       const auto eval_begin = std::chrono::steady_clock::now();
       auto e = evaluate(data_->val_batches(t.micro_batch, t.eval_batches));
       tracker_->trace_span("evaluation", eval_begin, std::chrono::steady_clock::now());
-      metrics << nlohmann::json({{"step", step_}, {"val_loss", e.loss}}).dump() << "\n" << std::flush;
+      nlohmann::json j = {{"step", step_}, {"val_loss", e.loss}};
+      if (e.peak_bytes >= 0) j["eval_peak_bytes"] = e.peak_bytes, j["eval_activation_peak"] = e.activation_peak;
+      metrics << j.dump() << "\n" << std::flush;
       if (main) std::cout << (bar ? "\n" : "") << "eval step " << step_ << ": val loss " << std::fixed
                           << std::setprecision(4) << e.loss << "\n" << std::flush;
     }
@@ -787,6 +831,7 @@ void Trainer::fit() {
   tracker_->trace_span("evaluation", eval_begin, std::chrono::steady_clock::now());
   write_trace();
   summary["val_loss"] = val.loss;
+  if (val.peak_bytes >= 0) summary["eval_peak_bytes"] = val.peak_bytes, summary["eval_activation_peak"] = val.activation_peak;
   auto test_batches = data_->test_batches(256);
   // Whether there is a test split is the dataset's, not this rank's share of it: with more ranks than
   // test batches some shares are empty, and every rank must still join evaluate()'s collectives.

@@ -4,6 +4,10 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <optional>
@@ -43,7 +47,7 @@ class DropGradients {
 
 }  // namespace
 
-int64_t Trainer::probe_activations(int64_t micro_batch, bool keep_grads) {
+int64_t Trainer::probe_activations(int64_t micro_batch, bool keep_grads, double* ms) {
   const c10::Device measured = device_.is_cuda() ? device_ : c10::Device(c10::kCPU);
   // What the probe's forward changes besides gradients: BatchNorm's running statistics (restored after).
   std::vector<torch::Tensor> buffers, saved;
@@ -70,6 +74,7 @@ int64_t Trainer::probe_activations(int64_t micro_batch, bool keep_grads) {
   if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
   reset_peak(measured);
   const int64_t start = read_counters(measured).allocated;
+  const auto begin = std::chrono::steady_clock::now();
   {
     // As a step: the batch arrives after the step's start, the loss is scaled by 1 / accum_steps.
     auto batch = to_device(data_->train_batch(0, 0, micro_batch));
@@ -78,21 +83,152 @@ int64_t Trainer::probe_activations(int64_t micro_batch, bool keep_grads) {
     if (keep_grads) move_grads_to_masters();
   }
   if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
+  if (ms) *ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count();
   return read_counters(measured).peak_allocated - start;
 }
 
 ActivationProbe Trainer::probe(bool keep_grads) {
   // Two points on the line bytes(m): half and a quarter of the configured micro-batch (1 and the batch when it
   // is 2 or 3; one point when it is 1).
-  ActivationProbe p;
   const int64_t mb = config_.train.micro_batch;
-  p.micro_batch[1] = std::max<int64_t>(1, mb / 2);
-  p.micro_batch[0] = std::max<int64_t>(1, p.micro_batch[1] / 2);
-  if (p.micro_batch[0] == p.micro_batch[1] && mb > 1) p.micro_batch[1] = mb;  // 2 or 3: probe 1 and the batch itself
+  int64_t m1 = std::max<int64_t>(1, mb / 2), m0 = std::max<int64_t>(1, m1 / 2);
+  if (m0 == m1 && mb > 1) m1 = mb;  // 2 or 3: probe 1 and the batch itself
+  return probe_at(m0, m1, keep_grads);
+}
+
+ActivationProbe Trainer::probe_at(int64_t m0, int64_t m1, bool keep_grads, int timings) {
+  ActivationProbe p;
+  p.micro_batch[0] = m0, p.micro_batch[1] = m1;
   p.grads_included = keep_grads;
-  for (int i = 0; i < 2; ++i)
-    p.bytes[i] = i == 1 && p.micro_batch[1] == p.micro_batch[0] ? p.bytes[0] : probe_activations(p.micro_batch[i], keep_grads);
+  for (int i = 0; i < 2; ++i) {
+    if (i == 1 && m1 == m0) {
+      p.bytes[1] = p.bytes[0], p.ms[1] = p.ms[0];
+      continue;
+    }
+    p.bytes[i] = probe_activations(p.micro_batch[i], keep_grads, &p.ms[i]);
+    // The planner's times: the fastest of a few runs (a busy machine only ever adds time).
+    for (int r = 1; r < timings; ++r) {
+      double ms = 0;
+      probe_activations(p.micro_batch[i], keep_grads, &ms);
+      p.ms[i] = std::min(p.ms[i], ms);
+    }
+  }
+  // Time can only grow with the batch, and never starts below zero: noise that says otherwise is clamped.
+  if (m1 > m0) {
+    p.ms[1] = std::max(p.ms[1], p.ms[0]);
+    const double slope = (p.ms[1] - p.ms[0]) / static_cast<double>(m1 - m0);
+    if (p.ms[0] - slope * static_cast<double>(m0) < 0) p.ms[0] = p.ms[1] * static_cast<double>(m0) / static_cast<double>(m1);
+  }
   return p;
+}
+
+int64_t Trainer::budget_bytes() const {
+  const auto& b = config_.memory.budget_mib;
+  if (b != "auto") return static_cast<int64_t>(std::stod(b) * 1024 * 1024);
+  // auto: what is in use now (the estimate counts it) and 90% of what is free.
+  if (device_.is_cuda()) {
+    size_t free = 0, total = 0;
+    MEMTRAIN_CHECK(cudaMemGetInfo(&free, &total) == cudaSuccess, Error, "[planner] cudaMemGetInfo failed on ", device_.str());
+    return read_counters(device_).allocated + static_cast<int64_t>(0.9 * static_cast<double>(free));
+  }
+  std::ifstream meminfo("/proc/meminfo");
+  int64_t available_kib = -1;
+  for (std::string key; meminfo >> key;) {
+    int64_t v = 0;
+    meminfo >> v;
+    if (key == "MemAvailable:") available_kib = v;
+    meminfo.ignore(256, '\n');
+  }
+  MEMTRAIN_CHECK(available_kib > 0, Error, "[planner] memory.budget_mib = auto: no MemAvailable in /proc/meminfo");
+  return cpu_memory::current() + static_cast<int64_t>(0.9 * static_cast<double>(available_kib) * 1024);
+}
+
+void Trainer::plan_to_budget() {
+  auto& t = config_.train;
+  auto& m = config_.memory;
+  plan_budget_ = budget_bytes();
+  const bool sharded = world_.world_size > 1 || config_.dist.offload_optimizer == "cpu";
+  MEMTRAIN_CHECK(device_.is_cuda() || cpu_memory::installed(), Error,
+                 "[planner] memory.budget_mib on CPU needs memtrain::cpu_memory::install() at the start of main()");
+  // The knobs: micro-batches dividing the global batch (largest first), recompute policies, heads, stages.
+  const int64_t global = t.micro_batch * t.accum_steps;
+  std::vector<int64_t> micro;
+  for (int64_t mb = global; mb >= 1 && micro.size() < 6; mb /= 2)
+    if (global % mb == 0) micro.push_back(mb);
+  std::vector<std::string> policies = {"none", "every:2", "all"};
+  const auto parts = model_->part_names();
+  if (std::find(parts.begin(), parts.end(), "attn") != parts.end()) policies.push_back("attn");
+  std::vector<std::string> heads = {"plain"};
+  if (model_->has_linear_head()) heads.push_back("fused");
+  std::vector<int> stages = {static_cast<int>(config_.dist.zero_stage)};
+  if (world_.world_size > 1) stages = {0, 1, 2, 3};
+
+  // One probe per (policy, head) at two small micro-batches; bytes and times extrapolate along their lines.
+  int64_t p1 = std::max<int64_t>(1, global / 4), p0 = std::max<int64_t>(1, p1 / 2);
+  if (p0 == p1 && global > 1) p1 = std::min<int64_t>(global, 2);
+  const bool timed = world_.world_size == 1;  // several ranks: every rank must reach the same plan, untimed
+  plan_candidates_.clear();
+  bool warm = false;
+  for (const auto& policy : policies) {
+    for (const auto& head : heads) {
+      policy_ = CheckpointPolicy::parse(policy);
+      policy_.offload = m.offload;
+      head_rows_ = parse_head_rows(head);
+      if (!warm) probe_activations(p0, !sharded), warm = true;  // the first forward of a process runs slower
+      const auto pr = probe_at(p0, p1, /*keep_grads=*/!sharded, /*timings=*/timed ? 3 : 1);
+      for (auto mb : micro) {
+        for (int stage : stages) {
+          auto in = estimate_inputs(world_.world_size);
+          in.micro_batch = mb, in.accum_steps = global / mb, in.stage = stage, in.budget_bytes = -1;
+          in.probe = pr;
+          // The later micro-batches of one process find the gradients resident; what their backward adds is
+          // taken as the first micro-batch's (gradients born included): an over-estimate by at most the
+          // gradient bytes, which spares a second probe per setting.
+          if (!sharded) in.probe_dropped = pr;
+          PlanCandidate c{.micro_batch = mb, .accum_steps = global / mb, .recompute = policy, .head = head, .stage = stage,
+                          .estimate = estimate_memory(in)};
+          c.step_ms = timed ? static_cast<double>(global / mb) * pr.ms_at(mb)
+                            : plan_step_cost(mb, global / mb, recompute_fraction(policy), stage);
+          plan_candidates_.push_back(c);
+        }
+      }
+    }
+  }
+  auto plan = choose_plan(plan_candidates_, plan_budget_);
+  plan.timed = timed;
+  if (world_.is_main()) std::cout << plan.explain() << std::flush;
+  t.micro_batch = plan.chosen.micro_batch, t.accum_steps = plan.chosen.accum_steps;
+  data_->set_accum_steps(t.accum_steps);
+  m.recompute = plan.chosen.recompute, m.head = plan.chosen.head;
+  config_.dist.zero_stage = plan.chosen.stage;
+}
+
+void Trainer::correct_plan(int64_t measured_peak) {
+  if (plan_corrected_ || plan_candidates_.empty() || measured_peak <= plan_budget_) return;
+  plan_corrected_ = true;
+  // Activations off by the measured error; model states are counted and stay.
+  const auto& est = estimate_.device;
+  const double scale = est.activations > 0
+                           ? std::max(1.0, static_cast<double>(measured_peak - (est.peak() - est.activations)) /
+                                               static_cast<double>(est.activations))
+                           : 1.0;
+  std::vector<PlanCandidate> same_stage;
+  for (auto c : plan_candidates_) {
+    if (c.stage != config_.dist.zero_stage) continue;
+    c.estimate.device.activations = static_cast<int64_t>(static_cast<double>(c.estimate.device.activations) * scale);
+    same_stage.push_back(c);
+  }
+  auto plan = choose_plan(same_stage, plan_budget_);
+  plan.timed = world_.world_size == 1;
+  if (world_.is_main())
+    std::cout << "memory: step peak " << format_bytes(measured_peak) << " is over memory.budget_mib; activations were "
+              << "under-estimated by x" << scale << ", so the plan is made again:\n" << plan.explain() << std::flush;
+  config_.train.micro_batch = plan.chosen.micro_batch, config_.train.accum_steps = plan.chosen.accum_steps;
+  data_->set_accum_steps(config_.train.accum_steps);
+  config_.memory.recompute = plan.chosen.recompute, config_.memory.head = plan.chosen.head;
+  policy_ = CheckpointPolicy::parse(plan.chosen.recompute);
+  policy_.offload = config_.memory.offload;
+  head_rows_ = parse_head_rows(plan.chosen.head);
 }
 
 EstimateInputs Trainer::estimate_inputs(int world) const {

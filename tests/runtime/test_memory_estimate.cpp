@@ -190,6 +190,25 @@ TEST(MemoryEstimate, EstimateCommandPrintsEveryStage) {
   EXPECT_EQ(code, 2);
 }
 
+TEST(Evaluation, TheFusedHeadGivesThePlainLossWithoutWholeLogitsAndItsPeakIsTracked) {
+  auto c = estimate_config();
+  c.model.vocab_size = 4096;  // logits much larger than the features: what the fused head saves
+  c.data.dataset = "synthetic";
+  Trainer plain(c);
+  const auto batches = plain.data().val_batches(16, 2);
+  const auto a = plain.evaluate(batches);
+  c.memory.head = "fused:64";
+  Trainer fused(c);
+  const auto b = fused.evaluate(batches);
+  EXPECT_NEAR(b.loss, a.loss, 1e-5 * a.loss);
+  ASSERT_GT(a.activation_peak, 0);
+  // The plain head holds the 16 x 64 x 4096 fp32 logits (16 MiB) and their log-softmax; the fused one a
+  // 64-row chunk of them at a time.
+  const int64_t logits = 16 * 64 * 4096 * 4;
+  EXPECT_GE(a.activation_peak, logits);
+  EXPECT_LT(b.activation_peak, a.activation_peak - logits / 2) << a.activation_peak << " vs " << b.activation_peak;
+}
+
 // The default job's reports, from the binary: trace.json, the memory summary in summary.json against the
 // JSONL, and memory.png drawn by scripts/plot_memory.py (what scripts/train.sh runs after training).
 TEST(Reports, TheDefaultJobWritesATraceASummaryAndAPlot) {

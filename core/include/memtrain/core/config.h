@@ -116,6 +116,7 @@ struct MemoryConfig {
   std::string head = "plain";       // plain | fused | fused:ROWS (linear + cross-entropy in chunks)
   int64_t limit_mib = 0;            // this process's memory limit (CPU: counting allocator; CUDA: allocator fraction); 0 = none
   bool estimate = true;             // estimate the peak before step 1 (a probe forward + backward), compare with the measured
+  std::string budget_mib = "0";     // the planner: MiB per rank | auto (free device memory, less a margin) | 0 (off)
 };
 
 struct DistConfig {

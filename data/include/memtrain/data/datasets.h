@@ -39,6 +39,9 @@ class Dataset {
   virtual std::string describe() const = 0;
   // Bytes of data this dataset holds in memory (the MemoryTracker's "data" column); 0 if it streams.
   virtual int64_t resident_bytes() const { return 0; }
+  // The micro-batches per step changed and the global batch did not (the memory planner): a dataset that
+  // draws the global batch once per step lays it out for the new count, so the samples stay the same.
+  virtual void set_accum_steps(int64_t accum_steps) {}
 };
 
 // The prepared-data folder: $MEMTRAIN_DATA if set, else the one the build was configured with.

@@ -29,6 +29,7 @@
 #include "memtrain/models/model.h"
 #include "memtrain/optim/optimizer.h"
 #include "memtrain/runtime/memory_estimate.h"
+#include "memtrain/runtime/planner.h"
 #include "memtrain/runtime/precision.h"
 
 namespace memtrain {
@@ -48,6 +49,8 @@ struct EvalResult {
   double loss = 0;
   double accuracy = -1;  // classifiers only
   int64_t samples = 0;
+  int64_t peak_bytes = -1;       // the training device's peak during the evaluation (-1: not tracked)
+  int64_t activation_peak = -1;  // of which the evaluation added over what was resident
 };
 
 class Trainer {
@@ -128,8 +131,16 @@ class Trainer {
   // Activation bytes of one forward + backward at micro-batch m on the training device (the tracker's
   // activation_peak of a step): gradients kept as a single process keeps them, or dropped as they arrive
   // (several ranks hold them in buckets). Leaves parameters, gradients and buffers as they were.
-  int64_t probe_activations(int64_t micro_batch, bool keep_grads);
+  int64_t probe_activations(int64_t micro_batch, bool keep_grads, double* ms = nullptr);
   ActivationProbe probe(bool keep_grads);  // at two micro-batches up to half the configured one
+  ActivationProbe probe_at(int64_t m0, int64_t m1, bool keep_grads, int timings = 1);
+  // memory.budget_mib: chooses micro-batch / accumulation, recompute policy, head and (several ranks) ZeRO
+  // stage, writes them into config_ (setup, before the buckets exist). The candidates stay for correct_plan().
+  void plan_to_budget();
+  // After a steady step: when the measured peak is over the budget, the plan is made again once with the
+  // activations scaled by the measured error (same ZeRO stage) and applied from the next step.
+  void correct_plan(int64_t measured_peak);
+  int64_t budget_bytes() const;
   EstimateInputs estimate_inputs(int world) const;
   void make_estimate();                    // setup(): estimate_ for this run  // several ranks: floating buffers (BatchNorm statistics) from rank 0
   // Every rank's memory summary (rank 0 prints them in one table); collective when there are ranks.
@@ -164,6 +175,9 @@ class Trainer {
   std::string resumed_from_;
   std::vector<int64_t> units_;        // per params_ entry: its block, or -1 (the root: outside every block, or shared)
   MemoryEstimate estimate_;
+  std::vector<PlanCandidate> plan_candidates_;  // memory.budget_mib: every setting estimated
+  int64_t plan_budget_ = 0;
+  bool plan_corrected_ = false;
   ActivationProbe probe_keep_, probe_drop_;
   bool stopped_by_signal_ = false;
 };

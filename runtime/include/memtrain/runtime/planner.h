@@ -1,0 +1,56 @@
+// The planner behind memory.budget_mib: among the settings that keep the global batch (micro-batch x
+// accumulation), the activation recomputation policy, the LM head (plain or fused) and, with several ranks,
+// the ZeRO stage, the fastest whose estimated peak (memory_estimate.h) fits the budget.
+//
+//   std::vector<PlanCandidate> c = ...;            // each with its estimate and predicted step time
+//   Plan p = choose_plan(c, 512 << 20);             // throws ConfigError when nothing fits
+//   std::cout << p.explain();                       // the choice, the runners-up, and why
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "memtrain/runtime/memory_estimate.h"
+
+namespace memtrain {
+
+struct PlanCandidate {
+  int64_t micro_batch = 1;
+  int64_t accum_steps = 1;
+  std::string recompute = "none";  // memory.recompute
+  std::string head = "plain";      // memory.head
+  int stage = 0;                   // dist.zero_stage (several ranks)
+  MemoryEstimate estimate;
+  double step_ms = 0;              // predicted step time (the time model: plan_step_ms or the probe's timings)
+  std::string describe() const;    // "micro-batch 8 x 2, recompute all, head fused, stage 2"
+};
+
+struct Plan {
+  int64_t budget_bytes = 0;
+  PlanCandidate chosen;
+  std::vector<PlanCandidate> runners_up;  // the next fastest that fit (at most 3)
+  int64_t considered = 0;                 // candidates estimated
+  int64_t fitting = 0;                    // of which fit the budget
+  bool timed = true;                      // step_ms from the probe's timings (else plan_step_cost's units)
+  std::string explain() const;
+};
+
+// The fastest candidate whose estimated device peak is at most `budget_bytes` (ties: the smaller peak).
+// Nothing fits: a ConfigError naming the smallest feasible budget, its settings and the part of the
+// estimate that dominates it.
+Plan choose_plan(std::vector<PlanCandidate> candidates, int64_t budget_bytes);
+
+// The time model where nothing was timed (several ranks, which must all reach the same plan): relative
+// cost of a step of `accum_steps` micro-batches of `micro_batch` samples, each micro-batch costing one
+// sample's worth of fixed overhead; recomputation adds its share of the forward (a third of forward +
+// backward) and stage 3 gathers the parameters twice more than stages 0-2 move gradients (half again as
+// many bytes: at `comm_share` of a stage-0 step spent communicating).
+double plan_step_cost(int64_t micro_batch, int64_t accum_steps, double recompute_fraction, int stage,
+                      double comm_share = 0.1);
+
+// The share of the blocks' forward that a recompute policy runs again: none 0, all 1, every:K 1/K,
+// attn 1/3 and mlp 2/3 (a GPT block's attention and MLP matrices are 4 d^2 and 8 d^2 per token).
+double recompute_fraction(const std::string& policy);
+
+}  // namespace memtrain

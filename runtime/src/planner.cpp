@@ -1,0 +1,101 @@
+#include "memtrain/runtime/planner.h"
+
+#include <algorithm>
+#include <iomanip>
+#include <sstream>
+
+#include "memtrain/core/error.h"
+#include "memtrain/core/memory_tracker.h"
+
+namespace memtrain {
+
+std::string PlanCandidate::describe() const {
+  std::ostringstream o;
+  o << "micro-batch " << micro_batch << " x " << accum_steps << ", recompute " << recompute << ", head " << head
+    << ", stage " << stage;
+  return o.str();
+}
+
+double recompute_fraction(const std::string& policy) {
+  if (policy == "none") return 0;
+  if (policy == "all") return 1;
+  if (policy == "attn") return 1.0 / 3;
+  if (policy == "mlp") return 2.0 / 3;
+  if (policy.rfind("every:", 0) == 0) return 1.0 / std::max(1.0, std::stod(policy.substr(6)));
+  return 1;  // budget:MiB: at most all
+}
+
+double plan_step_cost(int64_t micro_batch, int64_t accum_steps, double recompute_fraction, int stage, double comm_share) {
+  // Forward 1, backward 2: recomputing a fraction r of the forward adds r / 3 of the compute.
+  const double compute = static_cast<double>(accum_steps) * static_cast<double>(micro_batch + 1) * (1 + recompute_fraction / 3);
+  const double samples = static_cast<double>(accum_steps * micro_batch);
+  const double comm = comm_share * (samples + 1) * (stage == 3 ? 1.5 : 1.0);
+  return compute + comm;
+}
+
+namespace {
+// The largest part of an estimate, by name: what dominates its peak.
+std::string dominant(const MemoryParts& p) {
+  const std::pair<const char*, int64_t> parts[] = {{"parameters", p.params},
+                                                   {"gradients", p.grads},
+                                                   {"optimizer state", p.optimizer_state},
+                                                   {"data", p.data},
+                                                   {"activations", p.activations},
+                                                   {"gathered parameters", p.gathered},
+                                                   {"gradient buckets in flight", p.buckets_in_flight}};
+  const auto* best = &parts[0];
+  for (const auto& x : parts)
+    if (x.second > best->second) best = &x;
+  std::ostringstream o;
+  o << best->first << " (" << format_bytes(best->second) << " of " << format_bytes(p.peak()) << ")";
+  return o.str();
+}
+}  // namespace
+
+Plan choose_plan(std::vector<PlanCandidate> candidates, int64_t budget_bytes) {
+  MEMTRAIN_CHECK(!candidates.empty(), Error, "[planner] no candidate settings to choose from");
+  Plan plan;
+  plan.budget_bytes = budget_bytes;
+  plan.considered = static_cast<int64_t>(candidates.size());
+  std::stable_sort(candidates.begin(), candidates.end(), [](const PlanCandidate& a, const PlanCandidate& b) {
+    if (a.step_ms != b.step_ms) return a.step_ms < b.step_ms;
+    return a.estimate.peak_device() < b.estimate.peak_device();
+  });
+  std::vector<PlanCandidate> fit;
+  for (const auto& c : candidates)
+    if (c.estimate.peak_device() <= budget_bytes) fit.push_back(c);
+  if (fit.empty()) {
+    const auto smallest = *std::min_element(candidates.begin(), candidates.end(), [](const auto& a, const auto& b) {
+      return a.estimate.peak_device() < b.estimate.peak_device();
+    });
+    const double mib = static_cast<double>(smallest.estimate.peak_device()) / (1024.0 * 1024.0);
+    std::ostringstream need;
+    need << std::fixed << std::setprecision(1) << mib;
+    throw ConfigError("[planner] memory.budget_mib = " + std::to_string(budget_bytes / (1024 * 1024)) +
+                      " cannot be met: the smallest estimated peak of " + std::to_string(plan.considered) +
+                      " settings is " + need.str() + " MiB (" + smallest.describe() + "), dominated by " +
+                      dominant(smallest.estimate.device) + "; the smallest feasible budget is memory.budget_mib = " +
+                      std::to_string(static_cast<int64_t>(mib) + 1) +
+                      " (or shard more: more ranks with dist.zero_stage = 3, dist.offload_optimizer = cpu on a GPU)");
+  }
+  plan.fitting = static_cast<int64_t>(fit.size());
+  plan.chosen = fit.front();
+  for (size_t i = 1; i < fit.size() && plan.runners_up.size() < 3; ++i) plan.runners_up.push_back(fit[i]);
+  return plan;
+}
+
+std::string Plan::explain() const {
+  std::ostringstream o;
+  auto line = [&](const char* tag, const PlanCandidate& c) {
+    o << "  " << tag << c.describe() << ": estimated peak " << format_bytes(c.estimate.peak_device()) << ", "
+      << (timed ? "step " : "relative cost ") << std::fixed << std::setprecision(1) << c.step_ms
+      << (timed ? " ms (from the probe's timings)\n" : " (untimed: several ranks must reach the same plan)\n");
+  };
+  o << "plan for a budget of " << format_bytes(budget_bytes) << " per rank (memory.budget_mib; " << fitting << " of " << considered
+    << " settings fit; the fastest is chosen):\n";
+  line("chosen:    ", chosen);
+  for (const auto& r : runners_up) line("runner-up: ", r);
+  return o.str();
+}
+
+}  // namespace memtrain

@@ -1,0 +1,108 @@
+#include <gtest/gtest.h>
+
+#include "helpers.h"
+#include "memtrain/runtime/planner.h"
+#include "memtrain/runtime/trainer.h"
+
+namespace memtrain {
+namespace {
+
+PlanCandidate candidate(int64_t micro, const char* policy, int64_t activation_mib, double ms) {
+  PlanCandidate c;
+  c.micro_batch = micro, c.accum_steps = 16 / micro, c.recompute = policy, c.step_ms = ms;
+  c.estimate.device.params = 10 << 20;
+  c.estimate.device.activations = activation_mib << 20;
+  return c;
+}
+
+TEST(Planner, ChoosesTheFastestThatFits) {
+  // Peaks: 10 MiB of parameters + the activations.
+  const std::vector<PlanCandidate> c = {candidate(16, "none", 90, 100), candidate(16, "all", 40, 130),
+                                        candidate(4, "none", 30, 120), candidate(1, "all", 5, 200)};
+  EXPECT_EQ(choose_plan(c, 100 << 20).chosen.recompute, "none");  // everything fits: the fastest
+  EXPECT_EQ(choose_plan(c, 100 << 20).chosen.micro_batch, 16);
+  const auto p = choose_plan(c, 50 << 20);  // 100 MiB no longer fits: 4 x none (120 ms) before 16 x all (130 ms)
+  EXPECT_EQ(p.chosen.micro_batch, 4);
+  ASSERT_EQ(p.runners_up.size(), 2u);
+  EXPECT_EQ(p.runners_up[0].recompute, "all");
+  EXPECT_EQ(p.runners_up[0].micro_batch, 16);
+  EXPECT_EQ(p.fitting, 3);
+  EXPECT_EQ(choose_plan(c, 20 << 20).chosen.micro_batch, 1);
+  EXPECT_NE(p.explain().find("chosen:    micro-batch 4 x 4, recompute none"), std::string::npos) << p.explain();
+}
+
+TEST(Planner, AnImpossibleBudgetNamesTheSmallestFeasibleOneAndWhatDominatesIt) {
+  const std::vector<PlanCandidate> c = {candidate(16, "none", 90, 100), candidate(1, "all", 5, 200)};
+  const auto e = test::error_of([&] { choose_plan(c, 12 << 20); });
+  EXPECT_NE(e.find("smallest estimated peak of 2 settings is 15.0 MiB"), std::string::npos) << e;
+  EXPECT_NE(e.find("memory.budget_mib = 16"), std::string::npos) << e;
+  EXPECT_NE(e.find("dominated by parameters (10.0 MiB of 15.0 MiB)"), std::string::npos) << e;
+}
+
+TEST(Planner, TheStepCostModelOrdersTheKnobs) {
+  // Recomputing everything adds a third of the compute; smaller micro-batches add their fixed cost.
+  EXPECT_NEAR(plan_step_cost(16, 1, 1.0, 0, 0) / plan_step_cost(16, 1, 0.0, 0, 0), 4.0 / 3, 1e-12);
+  EXPECT_GT(plan_step_cost(4, 4, 0, 0), plan_step_cost(16, 1, 0, 0));
+  EXPECT_GT(plan_step_cost(16, 1, 0, 3), plan_step_cost(16, 1, 0, 2));
+  EXPECT_DOUBLE_EQ(recompute_fraction("every:4"), 0.25);
+  EXPECT_DOUBLE_EQ(recompute_fraction("attn") + recompute_fraction("mlp"), 1.0);
+}
+
+Config planner_config() {
+  auto c = test::tiny_gpt_config(4);
+  // The Austen text: its global batch is drawn once per step, so any micro-batch split sees the same samples.
+  c.data.dataset = "text";
+  c.model.n_embd = 64, c.model.block_size = 64, c.model.n_head = 4;
+  c.train.micro_batch = 16, c.train.steps = 4, c.train.threads = 1;
+  return c;
+}
+
+std::pair<std::vector<double>, int64_t> train(Trainer& t, int steps) {
+  std::vector<double> losses;
+  for (int i = 0; i < steps; ++i) losses.push_back(t.step().loss.item<double>());
+  return {losses, t.tracker().summaries().at(0).max_peak};
+}
+
+TEST(Planner, EachPlannedRunFitsItsBudgetAndTrainsAsTheUnplannedRun) {
+  // The counting allocator is process-wide: the unplanned trainer is gone before the planned ones start.
+  const auto [plain_losses, plain_peak] = [] {
+    Trainer plain(planner_config());
+    return train(plain, 4);
+  }();
+  // Budgets from 80% of the unplanned peak down to 40%: each needs less activation memory than the last.
+  for (double share : {0.8, 0.6, 0.4}) {
+    SCOPED_TRACE("budget " + std::to_string(share) + " of the unplanned peak");
+    auto c = planner_config();
+    const int64_t budget = static_cast<int64_t>(share * static_cast<double>(plain_peak));
+    c.memory.budget_mib = std::to_string(static_cast<double>(budget) / (1024.0 * 1024.0));
+    Trainer t(c);
+    const auto& chosen = t.config();
+    EXPECT_EQ(chosen.train.micro_batch * chosen.train.accum_steps, 16) << "the global batch is kept";
+    const auto [losses, peak] = train(t, 4);
+    EXPECT_LE(peak, budget) << chosen.train.micro_batch << " x " << chosen.train.accum_steps << ", "
+                            << chosen.memory.recompute << ", " << chosen.memory.head;
+    ASSERT_EQ(losses.size(), plain_losses.size());
+    // The same samples: another micro-batch split sums them in another order (fp32 rounding apart).
+    for (size_t i = 0; i < losses.size(); ++i) EXPECT_NEAR(losses[i], plain_losses[i], 1e-4 * plain_losses[i]) << i;
+  }
+}
+
+TEST(Planner, AnImpossibleBudgetIsAnErrorBeforeTraining) {
+  auto c = planner_config();
+  c.memory.budget_mib = "1";
+  const auto e = test::error_of([&] { Trainer t(c); });
+  EXPECT_NE(e.find("memory.budget_mib = 1 cannot be met"), std::string::npos) << e;
+  EXPECT_NE(e.find("the smallest feasible budget is memory.budget_mib = "), std::string::npos) << e;
+}
+
+TEST(Planner, BudgetKeyErrorsNameTheValue) {
+  EXPECT_NE(test::error_of([] { Config::load("", {"--memory.budget_mib=lots"}); }).find("memory.budget_mib = 'lots'"),
+            std::string::npos);
+  EXPECT_NE(test::error_of([] { Config::load("", {"--memory.budget_mib=100", "--memory.recompute=budget:50"}); })
+                .find("set one of them"),
+            std::string::npos);
+  EXPECT_NO_THROW(Config::load("", {"--memory.budget_mib=auto"}));
+}
+
+}  // namespace
+}  // namespace memtrain
