@@ -13,6 +13,17 @@ PY="$(command -v python3)"
   --train.warmup_steps=10 --train.eval_every=0 --log.every=10 --log.progress=lines --log.dir=/tmp/memtrain-runs \
   --checkpoint.save_final=false 2>&1 | tee "$OUT/gpt2_124m_austen.log"
 
+# A memory_viz snapshot of GPT-2 124M's steps (memory.snapshot), drawn by PyTorch's own _memory_viz, and the
+# estimate against the measured peak on CUDA (summary.json's memory_estimate).
+"${MEMTRAIN_BUILD:-build-gpu}/memtrain" --config examples/configs/gpt2_124m_gpu.ini --train.steps=3 \
+  --train.warmup_steps=1 --train.eval_every=0 --train.eval_batches=1 --log.every=1 --log.progress=lines \
+  --memory.snapshot=true --log.dir=/tmp/memtrain-runs --log.name=snapshot --log.overwrite=true \
+  --checkpoint.save_final=false 2>&1 | tee "$OUT/gpt2_124m_snapshot.log"
+snap=/tmp/memtrain-runs/snapshot/memory_snapshot.rank0.pickle
+[ -f "$snap" ] && "$PY" -m torch.cuda._memory_viz trace_plot "$snap" -o "$OUT/gpt2_124m_memory_viz.html"
+cp /tmp/memtrain-runs/snapshot/summary.json "$OUT/gpt2_124m_snapshot_summary.json" 2>/dev/null
+"$PY" scripts/plot_memory.py /tmp/memtrain-runs/snapshot && cp /tmp/memtrain-runs/snapshot/memory.png "$OUT/gpt2_124m_memory.png"
+
 # The largest GPT that trains on the one GPU with its optimizer offloaded (ZeRO-Offload in one process:
 # bf16 parameters and gradients on the device; fp32 masters, AdamW state and reduced gradients in pinned
 # host memory), every block recomputed, the fused head. Sizes grow until one fails; 4 steps each, the

@@ -132,6 +132,16 @@ std::vector<Entry> entries(Config& c) {
             "memory, less 10%) | 0 (off). The planner keeps the global batch and chooses train.micro_batch / "
             "accum_steps, memory.recompute, memory.head and (several ranks) dist.zero_stage: the fastest whose "
             "estimate fits"),
+      entry("memory.snapshot", &mem.snapshot,
+            "CUDA: record the caching allocator's history and write memory_snapshot.rank<N>.pickle at the end, for "
+            "python -m torch.cuda._memory_viz trace_plot FILE -o memory_viz.html"),
+      entry("memory.expandable_segments", &mem.expandable_segments,
+            "CUDA: the caching allocator's expandable_segments (segments grow in place: less fragmentation)"),
+      entry("memory.gc_threshold", &mem.gc_threshold,
+            "CUDA: the caching allocator's garbage_collection_threshold in (0, 1); 0 = off"),
+      entry("memory.cuda_allocator", &mem.cuda_allocator,
+            choices::join(choices::cuda_allocator) + " (CUDA: the caching allocator's backend; chosen before the first CUDA "
+            "allocation of the process)"),
       entry("memory.limit_mib", &mem.limit_mib,
             "this process's memory limit in MiB (CPU: enforced by the counting allocator; CUDA: the caching "
             "allocator's fraction of the device); 0 = none"),
@@ -500,6 +510,9 @@ void Config::validate() const {
   check_one_of("train.on_nonfinite", train.on_nonfinite, choices::on_nonfinite);
   check_range("train.max_nonfinite", train.max_nonfinite, train.max_nonfinite >= 1, ">= 1");
   check_range("memory.limit_mib", memory.limit_mib, memory.limit_mib >= 0, ">= 0 (0 = no limit)");
+  check_range("memory.gc_threshold", memory.gc_threshold, memory.gc_threshold >= 0 && memory.gc_threshold < 1,
+              "in [0, 1) (0 = off)");
+  check_one_of("memory.cuda_allocator", memory.cuda_allocator, choices::cuda_allocator);
   {
     const auto& b = memory.budget_mib;
     size_t used = 0;

@@ -3,6 +3,8 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <torch/cuda.h>
+#include <torch/csrc/cuda/memory_snapshot.h>
+#include <c10/core/AllocatorConfig.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <signal.h>
 #include <unistd.h>
@@ -105,6 +107,7 @@ void Trainer::setup() {
   const auto& t = config_.train;
   if (t.threads > 0) at::set_num_threads(static_cast<int>(t.threads));
   device_ = resolve_device(t.device, world_.local_rank);
+  configure_cuda_allocator();
   if (device_.is_cuda()) c10::cuda::set_device(device_.index());  // this rank's GPU: LOCAL_RANK
   precision_ = parse_precision(t.precision);
   check_precision_supported(precision_, device_);
@@ -291,6 +294,40 @@ void Trainer::move_grads_to_masters() {
     else master_[i].mutable_grad() = g.to(torch::kFloat);
     g.reset();  // the bf16 gradient is freed: the next micro-batch starts from zero
   }
+}
+
+void Trainer::configure_cuda_allocator() {
+  const auto& m = config_.memory;
+  const bool asked = m.snapshot || m.expandable_segments || m.gc_threshold > 0 || m.cuda_allocator != "native";
+  if (!asked) return;
+  MEMTRAIN_CHECK(device_.is_cuda(), ConfigError, "[config] memory.snapshot, memory.expandable_segments, memory.gc_threshold "
+                 "and memory.cuda_allocator set CUDA's caching allocator; this run is on ", device_.str());
+  // PYTORCH_CUDA_ALLOC_CONF's grammar. The backend is read once, when the allocator is first used: it goes
+  // into the environment (an explicit PYTORCH_CUDA_ALLOC_CONF of the user's is kept, and said); the others
+  // can change at any time.
+  std::string settings = "expandable_segments:" + std::string(m.expandable_segments ? "True" : "False");
+  if (m.gc_threshold > 0) settings += ",garbage_collection_threshold:" + std::to_string(m.gc_threshold);
+  if (m.cuda_allocator != "native") {
+    const char* user = std::getenv("PYTORCH_CUDA_ALLOC_CONF");
+    if (user && world_.is_main())
+      std::cerr << "memtrain: warning: [memory] PYTORCH_CUDA_ALLOC_CONF=" << user << " is set; memory.cuda_allocator = "
+                << m.cuda_allocator << " only takes effect where it does not name a backend\n";
+    const std::string env = std::string(user ? std::string(user) + "," : "") + "backend:" + m.cuda_allocator;
+    ::setenv("PYTORCH_CUDA_ALLOC_CONF", env.c_str(), /*overwrite=*/1);
+  } else {
+    c10::CachingAllocator::setAllocatorSettings(settings);
+  }
+  // The history memory_viz draws: every allocation and free with its stack, up to 100,000 entries.
+  if (m.snapshot) torch::cuda::_record_memory_history(std::string("all"), std::string("all"), "all", 100000);
+}
+
+void Trainer::write_memory_snapshot() {
+  if (!config_.memory.snapshot || !device_.is_cuda()) return;
+  const auto path = (fs::path(run_dir_) / ("memory_snapshot.rank" + std::to_string(world_.rank) + ".pickle")).string();
+  write_file_atomically(path, torch::cuda::_memory_snapshot_pickled());
+  if (world_.is_main())
+    std::cout << "memory snapshot: " << path << " (python -m torch.cuda._memory_viz trace_plot " << path
+              << " -o memory_viz.html)\n";
 }
 
 Batch Trainer::to_device(Batch b) const {
@@ -826,6 +863,7 @@ void Trainer::fit() {
       if (peak.first > 0) summary["mfu"] = flops / (peak.first * world_.world_size);
     }
   }
+  write_memory_snapshot();  // the training steps' history, before evaluation adds to it
   const auto eval_begin = std::chrono::steady_clock::now();
   auto val = evaluate(data_->val_batches(t.micro_batch, t.eval_batches));
   tracker_->trace_span("evaluation", eval_begin, std::chrono::steady_clock::now());

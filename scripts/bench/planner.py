@@ -14,7 +14,7 @@ import argparse, itertools, json, os, statistics, subprocess, sys, tempfile, tim
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 GPT = os.path.join(ROOT, "examples/configs/gpt_austen_cpu.ini")
-STEPS = 10
+STEPS = 20
 GLOBAL = 16
 MICRO = (16, 8, 4, 2)
 POLICIES = ("none", "every:2", "all", "attn")

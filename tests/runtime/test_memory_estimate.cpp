@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <torch/cuda.h>
 #include <fstream>
 
 #include "helpers.h"
@@ -207,6 +208,30 @@ TEST(Evaluation, TheFusedHeadGivesThePlainLossWithoutWholeLogitsAndItsPeakIsTrac
   const int64_t logits = 16 * 64 * 4096 * 4;
   EXPECT_GE(a.activation_peak, logits);
   EXPECT_LT(b.activation_peak, a.activation_peak - logits / 2) << a.activation_peak << " vs " << b.activation_peak;
+}
+
+TEST(CudaAllocator, ItsKeysOnACpuRunAreAnError) {
+  for (const char* key : {"snapshot", "expandable_segments"}) {
+    auto c = estimate_config();
+    (std::string(key) == "snapshot" ? c.memory.snapshot : c.memory.expandable_segments) = true;
+    const auto e = test::error_of([&] { Trainer t(c); });
+    EXPECT_NE(e.find("set CUDA's caching allocator; this run is on cpu"), std::string::npos) << e;
+  }
+}
+
+TEST(CudaAllocator, CudaSnapshotIsAPickleMemoryVizReads) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  test::TempDir dir;
+  auto c = estimate_config();
+  c.train.device = "cuda", c.train.steps = 2, c.memory.snapshot = true, c.memory.expandable_segments = true;
+  c.log.dir = dir.path(), c.log.name = "s", c.checkpoint.save_final = false;
+  Trainer t(c);
+  t.fit();
+  const auto file = fs::path(dir.path()) / "s" / "memory_snapshot.rank0.pickle";
+  ASSERT_TRUE(fs::exists(file));
+  int code = -1;
+  const auto out = test::shell(std::string(MEMTRAIN_PYTHON) + " -m torch.cuda._memory_viz stats " + file.string() + " 2>&1", &code);
+  EXPECT_EQ(code, 0) << out;
 }
 
 // The default job's reports, from the binary: trace.json, the memory summary in summary.json against the

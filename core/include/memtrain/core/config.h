@@ -29,6 +29,7 @@ inline constexpr std::array<std::string_view, 2> param_dtype{"fp32", "bf16"};
 inline constexpr std::array<std::string_view, 3> backend{"auto", "gloo", "nccl"};
 inline constexpr std::array<std::string_view, 2> dist_reduce{"step", "micro_batch"};
 inline constexpr std::array<std::string_view, 2> offload_optimizer{"none", "cpu"};
+inline constexpr std::array<std::string_view, 2> cuda_allocator{"native", "cudaMallocAsync"};
 inline constexpr std::array<std::string_view, 3> progress{"auto", "bar", "lines"};
 inline constexpr std::array<std::string_view, 2> oom{"retry", "fail"};
 inline constexpr std::array<std::string_view, 2> token_format{"llmc", "raw"};
@@ -117,6 +118,11 @@ struct MemoryConfig {
   int64_t limit_mib = 0;            // this process's memory limit (CPU: counting allocator; CUDA: allocator fraction); 0 = none
   bool estimate = true;             // estimate the peak before step 1 (a probe forward + backward), compare with the measured
   std::string budget_mib = "0";     // the planner: MiB per rank | auto (free device memory, less a margin) | 0 (off)
+  // CUDA's caching allocator (PYTORCH_CUDA_ALLOC_CONF's settings, as [memory] keys) and its history.
+  bool snapshot = false;            // record the allocator's history; write memory_snapshot.rank<N>.pickle (memory_viz)
+  bool expandable_segments = false; // segments that grow in place instead of new ones (less fragmentation)
+  double gc_threshold = 0;          // garbage_collection_threshold: reclaim cached blocks above this share of the limit; 0 = off
+  std::string cuda_allocator = "native";  // native | cudaMallocAsync (CUDA's stream-ordered allocator)
 };
 
 struct DistConfig {

@@ -128,6 +128,8 @@ class Trainer {
   void move_grads_to_masters();  // device, and floating inputs in the parameters' dtype
   void resolve_budget_policy();
   void sync_buffers();
+  void configure_cuda_allocator();  // memory.snapshot / expandable_segments / gc_threshold / cuda_allocator (CUDA)
+  void write_memory_snapshot();     // memory.snapshot: the allocator's pickled history, for memory_viz
   // Activation bytes of one forward + backward at micro-batch m on the training device (the tracker's
   // activation_peak of a step): gradients kept as a single process keeps them, or dropped as they arrive
   // (several ranks hold them in buckets). Leaves parameters, gradients and buffers as they were.
