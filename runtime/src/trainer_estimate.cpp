@@ -164,8 +164,11 @@ void Trainer::plan_to_budget() {
   if (world_.world_size > 1) stages = {0, 1, 2, 3};
 
   // One probe per (policy, head) at two small micro-batches; bytes and times extrapolate along their lines.
-  int64_t p1 = std::max<int64_t>(1, global / 4), p0 = std::max<int64_t>(1, p1 / 2);
-  if (p0 == p1 && global > 1) p1 = std::min<int64_t>(global, 2);
+  // The smallest candidate is probed itself (per-micro-batch costs do not extrapolate down well: measured),
+  // the larger ones extrapolate from it and a quarter of the global batch.
+  const int64_t p0 = micro.back();
+  int64_t p1 = std::max<int64_t>(p0, global / 4);
+  if (p1 == p0 && global > p0) p1 = micro[micro.size() >= 2 ? micro.size() - 2 : 0];
   const bool timed = world_.world_size == 1;  // several ranks: every rank must reach the same plan, untimed
   plan_candidates_.clear();
   bool warm = false;
