@@ -168,6 +168,9 @@ std::vector<Entry> entries(Config& c) {
       entry("log.trace", &l.trace,
             "write trace.json (trace.rank<N>.json with several ranks): each step's phases, evaluations and saves "
             "with the running memory peak, for chrome://tracing or ui.perfetto.dev"),
+      entry("log.trace_blocks", &l.trace_blocks,
+            "the trace also holds a span per block, forward and backward (a hook on each block's output; with "
+            "dist.zero_stage = 3 the spans include the block's gather)"),
       entry("log.peak_tflops", &l.peak_tflops,
             "the device's peak TFLOP/s for MFU; 0 = from memtrain's table of known GPUs by name and precision "
             "(on CPU: MFU is not reported unless this is set)"),

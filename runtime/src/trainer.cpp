@@ -90,6 +90,38 @@ class GatherBlocks : public BlockHooks {
 };
 }  // namespace
 
+// log.trace_blocks: a span per block in the trace. Forward: from just before the block (its ZeRO-3 gather
+// included) to just after it. Backward: from the arrival of the block's output gradient to the arrival of
+// the previous block's (the first block's ends with the backward: the embeddings' share is in it).
+class TraceBlocks : public BlockHooks {
+ public:
+  TraceBlocks(MemoryTracker& tracker, std::unique_ptr<BlockHooks> inner) : tracker_(tracker), inner_(std::move(inner)) {}
+  void before_block(int64_t block) override {
+    begin_ = MemoryTracker::Clock::now();
+    if (inner_) inner_->before_block(block);
+  }
+  void after_block(int64_t block) override {
+    if (inner_) inner_->after_block(block);
+    tracker_.trace_span("block " + std::to_string(block) + " forward", begin_, MemoryTracker::Clock::now());
+  }
+  void before_block_backward(int64_t block) override {
+    end_backward();
+    open_ = block, backward_begin_ = MemoryTracker::Clock::now();
+    if (inner_) inner_->before_block_backward(block);
+  }
+  void end_backward() {
+    if (open_ >= 0)
+      tracker_.trace_span("block " + std::to_string(open_) + " backward", backward_begin_, MemoryTracker::Clock::now());
+    open_ = -1;
+  }
+
+ private:
+  MemoryTracker& tracker_;
+  std::unique_ptr<BlockHooks> inner_;
+  MemoryTracker::Clock::time_point begin_, backward_begin_;
+  int64_t open_ = -1;
+};
+
 Trainer::Trainer(const Config& config, const World& world) : config_(config), world_(world) {
   data_ = dataset_for(config_, world_);
   torch::manual_seed(static_cast<uint64_t>(config_.train.seed));  // weights depend on the seed alone
@@ -238,6 +270,11 @@ void Trainer::setup() {
                  "[memory] memory.track = true on CPU needs memtrain::cpu_memory::install() at the start of main()");
   if (!config_.memory.track) mo.devices.clear();
   tracker_ = std::make_unique<MemoryTracker>(mo);
+  if (config_.log.trace && config_.log.trace_blocks) {
+    auto traced = std::make_unique<TraceBlocks>(*tracker_, std::move(block_hooks_));
+    trace_blocks_ = traced.get();
+    block_hooks_ = std::move(traced);
+  }
   tracker_->set_resident_source([this](const c10::Device& d) {
     // Master weights and their gradients are the optimizer's: counted as optimizer state.
     auto state = optimizer_state_tensors(*optimizer_);
@@ -453,6 +490,7 @@ StepResult Trainer::attempt_step() {
       if (dp_) dp_->begin_micro_batch(/*last=*/micro + 1 == t.accum_steps && piece + 1 == inputs.size());
       (scaler_ ? scaler_->scale(loss) : loss).backward();
       if (dp_) dp_->end_micro_batch();
+      if (trace_blocks_) trace_blocks_->end_backward();
       move_grads_to_masters();  // bf16 parameters: accumulate in fp32, not across micro-batches in bf16
       tracker_->end_phase(Phase::kBackward);
       loss_sum += loss.detach();

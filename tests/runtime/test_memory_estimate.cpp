@@ -304,5 +304,38 @@ TEST(Reports, TheDefaultJobWritesATraceASummaryAndAPlot) {
   EXPECT_GT(fs::file_size(run / "memory.png"), 10000u);
 }
 
+TEST(Reports, BlockSpansWithRecomputeAndOnTwoRanksInStageThree) {
+  for (const std::string launch : {"", "stage 3"}) {
+    SCOPED_TRACE(launch.empty() ? "one process, recompute all" : "2 ranks, ZeRO-3");
+    test::TempDir dir;
+    int code = -1;
+    const int steps = 3, layers = 4;
+    std::string cmd = test::binary("memtrain") + " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
+                      " --model.n_layer=" + std::to_string(layers) + " --model.n_embd=64 --train.steps=" +
+                      std::to_string(steps) + " --train.eval_every=0 --train.eval_batches=1 --train.threads=1"
+                      " --log.progress=lines --checkpoint.save_final=false --log.trace_blocks=true --log.dir=" +
+                      dir.path() + " --log.name=b";
+    if (launch.empty()) {
+      cmd += " --memory.recompute=all --train.accum_steps=2 --train.micro_batch=8";
+    } else {
+      cmd = test::binary("memtrain-run") + " --standalone --nproc-per-node 2 -- " + cmd + " --dist.zero_stage=3";
+    }
+    const auto out = test::shell(cmd + " 2>&1", &code);
+    ASSERT_EQ(code, 0) << out;
+    std::ifstream f(fs::path(dir.path()) / "b" / (launch.empty() ? "trace.json" : "trace.rank1.json"));
+    ASSERT_TRUE(f.good()) << out;
+    std::map<std::string, int> spans;
+    const auto trace = nlohmann::json::parse(f);  // kept: a range-for over parse(f)[...] would dangle
+    for (const auto& e : trace["traceEvents"])
+      if (e["ph"] == "X") ++spans[e["name"].get<std::string>()];
+    const int micro = launch.empty() ? 2 : 1;
+    // The final evaluation runs every block forward once more (one batch).
+    for (int b = 0; b < layers; ++b) {
+      EXPECT_EQ(spans["block " + std::to_string(b) + " forward"], steps * micro + 1) << b;
+      EXPECT_EQ(spans["block " + std::to_string(b) + " backward"], steps * micro) << b;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace memtrain

@@ -144,6 +144,7 @@ struct LogConfig {
   double peak_tflops = 0;        // the device's peak, for MFU; 0 = from the table of known GPUs (none on CPU)
   bool overwrite = false;        // start over in a run folder that holds another run (its checkpoints are deleted)
   bool trace = true;             // trace.json: a Chrome / Perfetto trace of each step's phases and memory
+  bool trace_blocks = false;     // trace.json also holds a span per block, forward and backward
 };
 
 struct CheckpointConfig {

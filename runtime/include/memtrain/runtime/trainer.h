@@ -34,6 +34,8 @@
 
 namespace memtrain {
 
+class TraceBlocks;  // log.trace_blocks (trainer.cpp)
+
 struct StepResult {
   int64_t step = 0;
   torch::Tensor loss;       // () fp32 on the device: mean over the step's micro-batches
@@ -158,6 +160,7 @@ class Trainer {
   c10::ScalarType param_dtype_ = torch::kFloat;
   std::unique_ptr<DataParallel> dp_;  // world_size > 1
   std::unique_ptr<BlockHooks> block_hooks_;  // ZeRO stage 3: gathers each block's parameters around it
+  TraceBlocks* trace_blocks_ = nullptr;      // log.trace_blocks: block_hooks_ itself, around any gathers
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<CosineSchedule> schedule_;
   Precision precision_ = Precision::kFp32;
