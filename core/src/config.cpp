@@ -518,15 +518,7 @@ void Config::validate() const {
   check_one_of("memory.cuda_allocator", memory.cuda_allocator, choices::cuda_allocator);
   {
     const auto& b = memory.budget_mib;
-    size_t used = 0;
-    double v = -1;
-    try {
-      v = std::stod(b, &used);
-    } catch (const std::exception&) {
-    }
-    MEMTRAIN_CHECK(b == "auto" || (used == b.size() && v >= 0), ConfigError, "[config] memory.budget_mib = '", b,
-                   "': expected MiB (a number >= 0; 0 = no planner) or auto");
-    const bool planning = b == "auto" || v > 0;
+    const bool planning = parse_budget_mib(b) != 0;
     MEMTRAIN_CHECK(!planning || memory.recompute.rfind("budget:", 0) != 0, ConfigError,
                    "[config] memory.budget_mib = ", b, " plans the recompute policy itself; memory.recompute = ",
                    memory.recompute, " is another budget: set one of them");
@@ -603,6 +595,19 @@ std::string Config::reference_markdown() {
     }
   });
   return os.str();
+}
+
+double parse_budget_mib(const std::string& value) {
+  if (value == "auto") return -1;
+  size_t used = 0;
+  double v = -1;
+  try {
+    v = std::stod(value, &used);
+  } catch (const std::exception&) {
+  }
+  MEMTRAIN_CHECK(used == value.size() && v >= 0, ConfigError, "[config] memory.budget_mib = '", value,
+                 "': expected MiB (a number >= 0; 0 = no planner) or auto");
+  return v;
 }
 
 int64_t parse_head_rows(const std::string& mode) {

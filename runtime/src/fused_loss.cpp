@@ -19,13 +19,35 @@ namespace {
 // PyTorch's own fp16 linear), and a row of the input gradient is at most 2 max|w|.
 constexpr int64_t kMaxFp16ChunkRows = 1024;
 
+// The matmul dtype: autocast's if it is on for x's device, else the inputs' own.
+c10::ScalarType compute_dtype(const torch::Tensor& x) {
+  const auto dev = x.device().type();
+  return at::autocast::is_autocast_enabled(dev) ? at::autocast::get_autocast_dtype(dev) : x.scalar_type();
+}
+
+// Without gradients (evaluation): the same chunks and dtypes, the loss only.
+torch::Tensor chunked_loss(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& target,
+                           int64_t chunk_rows) {
+  // No fp16 row cap here: it bounds the weight-gradient product, which this path does not form.
+  const auto compute = compute_dtype(x);
+  AutocastGuard plain(x.device().type(), std::nullopt);  // casts are explicit below
+  const auto N = x.size(0);
+  auto w = weight.to(compute);  // (V, C)
+  auto loss = torch::zeros({}, x.options().dtype(torch::kFloat));
+  for (int64_t s = 0; s < N; s += chunk_rows) {
+    const auto e = std::min(N, s + chunk_rows);
+    auto logits = torch::matmul(x.slice(0, s, e).to(compute), w.t()).to(torch::kFloat);  // (n, V), per chunk
+    loss += (logits.logsumexp(1, /*keepdim=*/true) - logits.gather(1, target.slice(0, s, e).unsqueeze(1))).sum();
+  }
+  return loss / static_cast<double>(N);
+}
+
 struct FusedLinearCrossEntropy : public torch::autograd::Function<FusedLinearCrossEntropy> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
                                                 const torch::Tensor& weight, const torch::Tensor& target,
                                                 int64_t chunk_rows) {
     const auto dev = x.device().type();
-    // The matmul dtype: autocast's if it is on for this device, else the inputs' own.
-    const auto compute = at::autocast::is_autocast_enabled(dev) ? at::autocast::get_autocast_dtype(dev) : x.scalar_type();
+    const auto compute = compute_dtype(x);
     AutocastGuard plain(dev, std::nullopt);  // casts are explicit below
     if (compute == torch::kHalf) chunk_rows = std::min(chunk_rows, kMaxFp16ChunkRows);
     const auto N = x.size(0), V = weight.size(0);
@@ -73,6 +95,8 @@ torch::Tensor fused_linear_cross_entropy(const torch::Tensor& x, const torch::Te
   MEMTRAIN_CHECK(target.dim() == 1 && target.size(0) == x.size(0), Error,
                  "[loss] fused_linear_cross_entropy: target must be (N,) = (", x.size(0), "), got ", target.sizes());
   if (chunk_rows <= 0) chunk_rows = std::max<int64_t>(1, (int64_t{1} << 24) / weight.size(0));
+  // No grad mode: nothing would use the gradients that the autograd path forms in forward.
+  if (!torch::GradMode::is_enabled()) return chunked_loss(x, weight, target, chunk_rows);
   return FusedLinearCrossEntropy::apply(x, weight, target, chunk_rows)[0];
 }
 

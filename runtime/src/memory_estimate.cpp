@@ -15,7 +15,8 @@ int64_t ActivationProbe::at(int64_t m) const {
   const auto m0 = micro_batch[0], m1 = micro_batch[1];
   if (m0 <= 0) return 0;
   if (m1 == m0) return bytes[0] * m / m0;  // one point: proportional
-  // The line through both points; never below the smaller one (a batch smaller than the probe's).
+  // The line through both points; from the first point on, never below the smaller of the two (a line
+  // falling with the batch is noise), and never below zero.
   const double slope = static_cast<double>(bytes[1] - bytes[0]) / static_cast<double>(m1 - m0);
   const double v = static_cast<double>(bytes[0]) + slope * static_cast<double>(m - m0);
   return std::max<int64_t>(static_cast<int64_t>(v), std::min(bytes[0], bytes[1]) * (m >= m0 ? 1 : 0));

@@ -209,9 +209,7 @@ void Trainer::setup() {
     }
   }
   // memory.budget_mib: the settings below (micro-batch, recompute, head, stage) are the plan's.
-  if (config_.memory.budget_mib != "0" && config_.memory.budget_mib != "auto" ? std::stod(config_.memory.budget_mib) > 0
-                                                                           : config_.memory.budget_mib == "auto")
-    plan_to_budget();
+  if (parse_budget_mib(config_.memory.budget_mib) != 0) plan_to_budget();
   policy_ = CheckpointPolicy::parse(config_.memory.recompute);
   policy_.offload = config_.memory.offload;
   if (policy_.mode == CheckpointPolicy::Mode::kPart) {
@@ -378,7 +376,7 @@ void Trainer::resolve_budget_policy() {
   // budget:MiB: one measured forward + backward with every block checkpointed gives each block's
   // activation bytes; the plan then checkpoints as few blocks as fit the budget.
   auto batch = to_device(data_->train_batch(step_, 0, config_.train.micro_batch));
-  auto measure_device = device_.is_cuda() ? device_ : c10::Device(c10::kCPU);
+  auto measure_device = memory_device();
   MEMTRAIN_CHECK(device_.is_cuda() || cpu_memory::installed(), Error,
                  "[checkpoint] budget policy on CPU needs memtrain::cpu_memory::install()");
   auto profile = profile_block_activations(*model_, [&] { return forward_loss(batch); }, measure_device);
@@ -568,8 +566,8 @@ EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
   torch::NoGradGuard no_grad;
   model_->eval();
   // Evaluation's own peak on the training device (between steps: the step's peaks are reset at its start).
-  const c10::Device measured = device_.is_cuda() ? device_ : c10::Device(c10::kCPU);
-  const bool track = config_.memory.track && (device_.is_cuda() || cpu_memory::installed());
+  const c10::Device measured = memory_device();
+  const bool track = can_measure();
   const int64_t eval_start = track ? read_counters(measured).allocated : 0;
   if (track) reset_peak(measured);
   const int64_t traffic = dp_ ? dp_->traffic_mark() : 0;
@@ -587,20 +585,10 @@ EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
       if (dp_) dp_->begin_forward();
       auto h = run_blocks(*model_, x, policy_, block_hooks_.get());  // no-grad: nothing recomputed
       if (head_rows_ >= 0) {
-        // memory.head = fused: the loss chunk by chunk of tokens (2^24 logits at a time, or ROWS rows), so
-        // the tokens x vocabulary logits never exist whole here either.
+        // memory.head = fused: the loss chunk by chunk (no-grad: the loss only), the logits never whole.
         auto [features, weight] = *model_->head_features(h);
-        auto f = features.reshape({-1, features.size(-1)});
-        auto target = y.reshape({-1});
-        const int64_t rows = head_rows_ > 0 ? head_rows_ : std::max<int64_t>(1, (int64_t{1} << 24) / weight.size(0));
-        auto sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(device_));
-        for (int64_t r = 0; r < f.size(0); r += rows) {
-          auto logits = torch::matmul(f.narrow(0, r, std::min(rows, f.size(0) - r)), weight.t()).to(torch::kFloat);
-          sum += torch::nn::functional::cross_entropy(
-                     logits, target.narrow(0, r, logits.size(0)),
-                     torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)).to(torch::kDouble);
-        }
-        loss_sum += sum.item<double>() / static_cast<double>(target.numel()) * static_cast<double>(n);
+        loss_sum += fused_linear_cross_entropy(features.reshape({-1, features.size(-1)}), weight, y.reshape({-1}),
+                                               head_rows_).item<double>() * static_cast<double>(n);
         e.samples += n;
         continue;
       }
@@ -712,12 +700,18 @@ void Trainer::fit() {
               << (dp_ ? "parallel:   " + dp_->describe() + "\n" : std::string())
               << "run folder: " << run_dir_ << "\n";
     if (config_.memory.track && config_.memory.estimate)
-      std::cout << "memory estimate per rank, " << (device_.is_cuda() ? device_.str() : std::string("cpu")) << ":\n"
+      std::cout << "memory estimate per rank, " << memory_device().str() << ":\n"
                 << estimate_.table();
     std::cout << std::flush;
   }
   // The measured peak of the training device beside the estimate: "X (estimate Y, +Z%)".
-  const std::string measured_device = device_.is_cuda() ? device_.str() : std::string("cpu");
+  const std::string measured_device = memory_device().str();
+  auto last_peak = [&] {  // the last step's peak on the training device (-1: not tracked)
+    int64_t peak = -1;
+    for (const auto& m : tracker_->last())
+      if (m.device == measured_device) peak = m.peak_allocated;
+    return peak;
+  };
   auto against_estimate = [&](int64_t measured) {
     std::ostringstream o;
     const double e = static_cast<double>(estimate_.peak_device());
@@ -778,9 +772,7 @@ void Trainer::fit() {
     if (!plan_candidates_.empty() && step_ == start_step + 2) {
       // The plan against the first steady step's peak (the optimizer state exists from step 1 on); several
       // ranks decide on their mean peak, so that they change together.
-      double peak = 0;
-      for (const auto& m : tracker_->last())
-        if (m.device == measured_device) peak = static_cast<double>(m.peak_allocated);
+      double peak = static_cast<double>(last_peak());
       if (dp_) {
         auto p = torch::tensor({peak}, torch::TensorOptions().dtype(torch::kDouble).device(device_));
         dp_->group_all_reduce_sum(p);
@@ -789,8 +781,7 @@ void Trainer::fit() {
       correct_plan(static_cast<int64_t>(peak));
     }
     if (step1_peak < 0 && config_.memory.track) {
-      for (const auto& m : tracker_->last())
-        if (m.device == measured_device) step1_peak = m.peak_allocated;
+      step1_peak = last_peak();
       if (main && config_.memory.estimate && step1_peak >= 0)
         std::cout << (bar ? "\n" : "") << "memory: step " << step_ << " peak " << measured_device << " "
                   << against_estimate(step1_peak) << "\n" << std::flush;

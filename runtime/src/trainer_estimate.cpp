@@ -48,7 +48,7 @@ class DropGradients {
 }  // namespace
 
 int64_t Trainer::probe_activations(int64_t micro_batch, bool keep_grads, double* ms) {
-  const c10::Device measured = device_.is_cuda() ? device_ : c10::Device(c10::kCPU);
+  const c10::Device measured = memory_device();
   // What the probe's forward changes besides gradients: BatchNorm's running statistics (restored after).
   std::vector<torch::Tensor> buffers, saved;
   {
@@ -123,8 +123,8 @@ ActivationProbe Trainer::probe_at(int64_t m0, int64_t m1, bool keep_grads, int t
 }
 
 int64_t Trainer::budget_bytes() const {
-  const auto& b = config_.memory.budget_mib;
-  if (b != "auto") return static_cast<int64_t>(std::stod(b) * 1024 * 1024);
+  const double mib = parse_budget_mib(config_.memory.budget_mib);
+  if (mib > 0) return static_cast<int64_t>(mib * 1024 * 1024);
   // auto: what is in use now (the estimate counts it) and 90% of what is free.
   if (device_.is_cuda()) {
     size_t free = 0, total = 0;
@@ -261,8 +261,7 @@ EstimateInputs Trainer::estimate_inputs(int world) const {
 }
 
 void Trainer::make_estimate() {
-  const bool can_measure = config_.memory.track && (device_.is_cuda() || cpu_memory::installed());
-  if (config_.memory.estimate && can_measure && !policy_.budget_unresolved()) {
+  if (config_.memory.estimate && can_measure() && !policy_.budget_unresolved()) {
     const bool sharded = world_.world_size > 1 || config_.dist.offload_optimizer == "cpu";
     try {
       (sharded ? probe_drop_ : probe_keep_) = probe(/*keep_grads=*/!sharded);
@@ -281,9 +280,8 @@ EstimateInputs Trainer::estimate_inputs_for(int world) {
   const bool sharded = world > 1 || config_.dist.offload_optimizer == "cpu";
   auto& probe_for = sharded ? probe_drop_ : probe_keep_;
   MEMTRAIN_CHECK(!dp_ || world == world_.world_size, Error,
-                 "[memory] estimate_for(", world, "): a multi-process trainer estimates its own world only");
-  if (!probe_for.measured() && config_.memory.track && !policy_.budget_unresolved() &&
-      (device_.is_cuda() || cpu_memory::installed()))
+                 "[memory] estimate_inputs_for(", world, "): a multi-process trainer estimates its own world only");
+  if (!probe_for.measured() && can_measure() && !policy_.budget_unresolved())
     probe_for = probe(/*keep_grads=*/!sharded);
   return estimate_inputs(world);
 }

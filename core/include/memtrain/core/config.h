@@ -184,6 +184,8 @@ struct Config {
 // The grammar of memory.head: plain -> -1 (no fusion), fused -> 0 (automatic chunks), fused:ROWS -> ROWS.
 // Throws ConfigError naming the value otherwise. Config::validate and the trainer both read it here.
 int64_t parse_head_rows(const std::string& mode);
+// memory.budget_mib: the budget in MiB (> 0), 0 (no planner) or -1 (auto). Throws ConfigError otherwise.
+double parse_budget_mib(const std::string& value);
 
 namespace detail {
 // "K" of the grammars every:K and fused:ROWS: a whole number >= 1 of at most 9 digits; nullopt otherwise.

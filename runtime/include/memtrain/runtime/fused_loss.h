@@ -17,6 +17,7 @@ namespace memtrain {
 // fp32 tensor whose backward gives x and weight their gradients. Under autocast the matmuls run in
 // the autocast dtype and the softmax in fp32, as autocast does for linear + cross_entropy.
 // chunk_rows = 0 picks chunks of about 16 Mi logits (64 MiB in fp32; 333 tokens for GPT-2's vocabulary).
+// Under no-grad (evaluation) only the loss is computed, chunk by chunk as well.
 torch::Tensor fused_linear_cross_entropy(const torch::Tensor& x, const torch::Tensor& weight,
                                          const torch::Tensor& target, int64_t chunk_rows = 0);
 

@@ -21,6 +21,7 @@
 
 #include "memtrain/runtime/checkpointing.h"
 #include "memtrain/core/config.h"
+#include "memtrain/core/cpu_memory.h"
 #include "memtrain/data/datasets.h"
 #include "memtrain/distributed/data_parallel.h"
 #include "memtrain/distributed/world.h"
@@ -110,11 +111,10 @@ class Trainer {
   const std::vector<torch::Tensor>& master_weights() const { return master_; }
   // The memory estimate made before step 1 (memory.estimate): this rank's peak by component.
   const MemoryEstimate& memory_estimate() const { return estimate_; }
-  // The same model and config on `world` ranks (the ZeRO stage, offload and prefetch of the config):
-  // what `memtrain estimate --ranks N` prints. A probe with gradients dropped as they arrive is run
-  // the first time (several ranks keep gradients in buckets, counted apart).
-  MemoryEstimate estimate_for(int world) { return estimate_memory(estimate_inputs_for(world)); }
-  // What that estimate is made from (the planner and `memtrain estimate` vary its stage, offload, ...).
+  // What estimate_memory() needs for the same model and config on `world` ranks (the ZeRO stage, offload
+  // and prefetch of the config): `memtrain estimate --ranks N` varies its stage and offload. A probe with
+  // gradients dropped as they arrive is run the first time (several ranks keep gradients in buckets,
+  // counted apart).
   EstimateInputs estimate_inputs_for(int world);
 
  private:
@@ -129,7 +129,10 @@ class Trainer {
   Batch to_device(Batch batch) const;
   void move_grads_to_masters();  // device, and floating inputs in the parameters' dtype
   void resolve_budget_policy();
-  void sync_buffers();
+  void sync_buffers();  // several ranks: floating buffers (BatchNorm statistics) from rank 0
+  // The device whose counters measure this run's memory (the GPU, else the CPU), and whether they can.
+  c10::Device memory_device() const { return device_.is_cuda() ? device_ : c10::Device(c10::kCPU); }
+  bool can_measure() const { return config_.memory.track && (device_.is_cuda() || cpu_memory::installed()); }
   void configure_cuda_allocator();  // memory.snapshot / expandable_segments / gc_threshold / cuda_allocator (CUDA)
   void write_memory_snapshot();     // memory.snapshot: the allocator's pickled history, for memory_viz
   // Activation bytes of one forward + backward at micro-batch m on the training device (the tracker's
@@ -146,7 +149,7 @@ class Trainer {
   void correct_plan(int64_t measured_peak);
   int64_t budget_bytes() const;
   EstimateInputs estimate_inputs(int world) const;
-  void make_estimate();                    // setup(): estimate_ for this run  // several ranks: floating buffers (BatchNorm statistics) from rank 0
+  void make_estimate();                    // setup(): estimate_ for this run
   // Every rank's memory summary (rank 0 prints them in one table); collective when there are ranks.
   std::vector<MemoryTracker::Summary> gather_memory_summaries();
 
