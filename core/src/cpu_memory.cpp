@@ -7,6 +7,7 @@
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 #include "memtrain/core/cpu_memory.h"
 
@@ -16,11 +17,29 @@ namespace {
 // Sizes live in a side table, so every block is exactly the size c10's own allocator would request:
 // an earlier version kept the size in a 64-byte header in front of each block, and the shifted sizes
 // made glibc trim and re-fault its heap every step (15-25% of a CPU step, measured with perf).
+// Everything below is guarded by g_mutex; current() and peak() are also atomics, read without it.
 std::mutex g_mutex;
-std::unordered_map<void*, size_t>& sizes() {
-  static auto* table = new std::unordered_map<void*, size_t>();  // never destroyed: frees can come late
+struct Block {
+  size_t bytes = 0;
+  int64_t born = 0;    // the event number of its allocation
+  int marked = -1;     // a Kind, or -1
+};
+std::unordered_map<void*, Block>& blocks() {
+  static auto* table = new std::unordered_map<void*, Block>();  // never destroyed: frees can come late
   return *table;
 }
+// Marked blocks freed since the last reset_peak(): they may have been alive at the peak.
+struct Freed {
+  Block block;
+  int64_t died = 0;
+};
+std::vector<Freed>& freed_marked() {
+  static auto* list = new std::vector<Freed>();
+  return *list;
+}
+int64_t g_event = 0;       // allocations and frees, numbered
+int64_t g_peak_event = 0;  // the event at which the peak was reached (or the last reset)
+int64_t g_reset_event = 0;
 
 std::atomic<int64_t> g_current{0};
 std::atomic<int64_t> g_peak{0};
@@ -30,16 +49,16 @@ std::atomic<int64_t> g_limit{0};  // 0: none
 
 void count_free(void* data) {
   if (data == nullptr) return;
-  size_t n = 0;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = sizes().find(data);
-    if (it != sizes().end()) {
-      n = it->second;
-      sizes().erase(it);
+    auto it = blocks().find(data);
+    if (it != blocks().end()) {
+      ++g_event;
+      if (it->second.marked >= 0) freed_marked().push_back({it->second, g_event});
+      g_current.fetch_sub(static_cast<int64_t>(it->second.bytes), std::memory_order_relaxed);
+      blocks().erase(it);
     }
   }
-  g_current.fetch_sub(static_cast<int64_t>(n), std::memory_order_relaxed);
   c10::free_cpu(data);
 }
 
@@ -56,12 +75,13 @@ class CountingCpuAllocator final : public c10::Allocator {
     void* data = c10::alloc_cpu(nbytes);
     {
       std::lock_guard<std::mutex> lock(g_mutex);
-      sizes()[data] = nbytes;
-    }
-    auto now = g_current.fetch_add(static_cast<int64_t>(nbytes), std::memory_order_relaxed) +
-               static_cast<int64_t>(nbytes);
-    auto seen = g_peak.load(std::memory_order_relaxed);
-    while (now > seen && !g_peak.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
+      blocks()[data] = {nbytes, ++g_event, -1};
+      const auto now = g_current.fetch_add(static_cast<int64_t>(nbytes), std::memory_order_relaxed) +
+                       static_cast<int64_t>(nbytes);
+      if (now > g_peak.load(std::memory_order_relaxed)) {
+        g_peak.store(now, std::memory_order_relaxed);
+        g_peak_event = g_event;
+      }
     }
     g_allocations.fetch_add(1, std::memory_order_relaxed);
     // data == context: required by raw_allocate() and copy-on-write's is_simple_data_ptr().
@@ -90,7 +110,32 @@ void keep_freed_memory() {
 bool installed() { return g_installed.load(); }
 int64_t current() { return g_current.load(std::memory_order_relaxed); }
 int64_t peak() { return g_peak.load(std::memory_order_relaxed); }
-void reset_peak() { g_peak.store(g_current.load(std::memory_order_relaxed), std::memory_order_relaxed); }
+void reset_peak() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_peak.store(g_current.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  g_peak_event = g_reset_event = g_event;
+  freed_marked().clear();  // freed before the new window: never alive at its peak
+}
+
+void mark(const void* block, Kind kind) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = blocks().find(const_cast<void*>(block));
+  if (it != blocks().end()) it->second.marked = static_cast<int>(kind);
+}
+
+KindBytes bytes_at_peak(Kind kind) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  KindBytes out;
+  auto add = [&](const Block& b) {
+    if (b.marked != static_cast<int>(kind) || b.born > g_peak_event) return;
+    out.total += static_cast<int64_t>(b.bytes);
+    if (b.born > g_reset_event) out.born += static_cast<int64_t>(b.bytes);
+  };
+  for (const auto& [ptr, b] : blocks()) add(b);  // alive now, so alive at the peak if born by then
+  for (const auto& f : freed_marked())
+    if (f.died > g_peak_event) add(f.block);
+  return out;
+}
 void set_limit(int64_t bytes) { g_limit.store(bytes < 0 ? 0 : bytes, std::memory_order_relaxed); }
 int64_t limit() { return g_limit.load(std::memory_order_relaxed); }
 int64_t allocations() { return g_allocations.load(std::memory_order_relaxed); }

@@ -90,6 +90,7 @@ MemoryTracker::MemoryTracker(MemoryTrackerOptions options) : options_(std::move(
   }
   if (!options_.jsonl_path.empty()) write_jsonl(options_.jsonl_path);
   start_allocated_.resize(options_.devices.size());
+  grads_at_optimizer_.resize(options_.devices.size());
   marks_.resize(options_.devices.size());
 }
 
@@ -112,14 +113,17 @@ void MemoryTracker::begin_step(int64_t step) {
     reset_peak(options_.devices[i]);
     start_allocated_[i] = read_counters(options_.devices[i]).allocated;
     marks_[i].clear();
+    grads_at_optimizer_[i] = 0;
   }
 }
 
 void MemoryTracker::end_phase(Phase phase) {
   // The peak so far, at each phase boundary: the first boundary at which it reaches the step's final
   // peak names the phase in which the peak happened. Costs one counter read, no allocation hook.
-  for (size_t i = 0; i < options_.devices.size(); ++i)
+  for (size_t i = 0; i < options_.devices.size(); ++i) {
     marks_[i].push_back({phase, read_counters(options_.devices[i]).peak_allocated});
+    if (phase == Phase::kBackward && resident_source_) grads_at_optimizer_[i] = resident_source_(options_.devices[i]).grads;
+  }
   if (!tracing_) return;
   const auto now = Clock::now();
   const bool per_micro = phase == Phase::kForward || phase == Phase::kBackward;
@@ -137,6 +141,11 @@ void MemoryTracker::trace_span(const std::string& name, Clock::time_point begin,
   if (tracing_) spans_.push_back({name, step_, -1, micros(begin), micros(end)});
 }
 
+void MemoryTracker::trace_collective(const std::string& name, int64_t bytes, Clock::time_point issued,
+                                     Clock::time_point completed) {
+  if (tracing_) collectives_.push_back({name, bytes, step_, micros(issued), micros(completed)});
+}
+
 void MemoryTracker::write_trace(const std::string& path) const {
   auto events = nlohmann::json::array();
   const int pid = options_.rank;
@@ -148,6 +157,15 @@ void MemoryTracker::write_trace(const std::string& path) const {
     const bool step_span = s.name.rfind("step ", 0) == 0;
     events.push_back({{"name", s.name}, {"cat", step_span ? "step" : "phase"}, {"ph", "X"}, {"ts", s.begin_us},
                       {"dur", std::max<int64_t>(0, s.end_us - s.begin_us)}, {"pid", pid}, {"tid", 0}, {"args", args}});
+  }
+  for (size_t k = 0; k < collectives_.size(); ++k) {
+    // Nestable async events ("b"/"e" with an id): Perfetto draws overlapping collectives on tracks of their own.
+    const auto& c = collectives_[k];
+    const nlohmann::json args = {{"step", c.step}, {"bytes", c.bytes}};
+    events.push_back({{"name", c.name}, {"cat", "collective"}, {"ph", "b"}, {"id", k}, {"ts", c.begin_us}, {"pid", pid},
+                      {"tid", 0}, {"args", args}});
+    events.push_back({{"name", c.name}, {"cat", "collective"}, {"ph", "e"}, {"id", k},
+                      {"ts", std::max(c.begin_us, c.end_us)}, {"pid", pid}, {"tid", 0}});
   }
   for (const auto& c : counters_)
     events.push_back({{"name", "peak " + options_.devices[c.device].str()}, {"ph", "C"}, {"ts", c.time_us}, {"pid", pid},
@@ -177,7 +195,14 @@ const std::vector<DeviceMemorySample>& MemoryTracker::end_step() {
       }
     }
     if (resident_source_) s.resident = resident_source_(device);
-    if (device.is_cpu()) s.pinned_host_bytes = pinned_host_bytes();
+    s.grads_at_optimizer = grads_at_optimizer_[i];
+    if (device.is_cpu()) {
+      s.pinned_host_bytes = pinned_host_bytes();
+      const auto grads = cpu_memory::bytes_at_peak(cpu_memory::Kind::kGradient);
+      const auto head = cpu_memory::bytes_at_peak(cpu_memory::Kind::kHeadSaved);
+      s.at_peak = {.known = true, .grads = grads.total, .grads_born = grads.born, .head_saved = head.born,
+                   .activations = s.activation_peak - grads.born - head.born};
+    }
     last_.push_back(s);
 
     auto& t = totals_[s.device];
@@ -204,7 +229,11 @@ const std::vector<DeviceMemorySample>& MemoryTracker::end_step() {
                           {"grads", s.resident.grads},
                           {"optimizer_state", s.resident.optimizer_state},
                           {"data", s.resident.data}};
+      j["grads_at_optimizer"] = s.grads_at_optimizer;
       if (device.is_cpu()) j["pinned_host_bytes"] = s.pinned_host_bytes;
+      if (s.at_peak.known)
+        j["at_peak"] = {{"gradients", s.at_peak.grads}, {"gradients_born", s.at_peak.grads_born},
+                        {"head_saved", s.at_peak.head_saved}, {"activations", s.at_peak.activations}};
       jsonl_ << j.dump() << '\n';
     }
   }

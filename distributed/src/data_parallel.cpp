@@ -6,6 +6,7 @@
 #include <numeric>
 #include <sstream>
 
+#include "memtrain/core/cpu_memory.h"
 #include "memtrain/core/error.h"
 
 namespace memtrain {
@@ -19,7 +20,8 @@ struct DataParallel::Bucket {
   torch::Tensor grad;                 // (size,) param dtype: the full gradient; freed between backwards (stage 2)
   torch::Tensor stepped;              // what the optimizer steps: stage 0 flat (or its fp32 master),
                                       // stages 1/2 this rank's part of flat (or its fp32 master), (shard,)
-  torch::Tensor reduced;              // stepped.grad(): the reduced gradient of the stepped part
+  torch::Tensor reduced;              // stepped.grad(): the reduced gradient of the stepped part. Stages 2-3:
+                                      // exists from the bucket's first reduction to the optimizer step only
   torch::Tensor scratch;              // (shard,) reduce-scatter output while one is in flight; else undefined
   bool into_reduced = false;          // the in-flight reduce-scatter writes straight into `reduced`
   int64_t reductions = 0;             // this step
@@ -27,9 +29,10 @@ struct DataParallel::Bucket {
   PendingCollective pending;
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks;  // accumulator, hook key
   std::vector<unsigned> pre_hooks;    // stage 2: one per parameter, allocates the bucket's gradient
-  // What the optimizer steps: per parameter, its elements inside `stepped` (a view) and their reduced
-  // gradient (a view of `reduced`, set as the view's .grad): the weight-decay class is the parameter's.
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> segments;
+  // What the optimizer steps: per parameter, its elements inside `stepped` (a view) and where they start
+  // there; their reduced gradient is the same range of `reduced`, set as the view's .grad.
+  std::vector<std::pair<torch::Tensor, int64_t>> segments;
+  bool reduced_per_step = false;      // stages 2-3: `reduced` is made by the first reduction and freed by the step
   bool stepped_is_copy = false;       // `stepped` is its own storage (fp32 masters, or offloaded): copied back after a step
   // Stage 3.
   int64_t unit = -1;                  // index into unit_buckets_
@@ -40,6 +43,11 @@ struct DataParallel::Bucket {
 };
 
 namespace {
+// The tracker's breakdown of the peak: gradient buckets, reduced parts and reduce-scatter outputs are gradients.
+void mark_gradient(const torch::Tensor& t) {
+  if (t.is_cpu()) cpu_memory::mark(t.storage().data(), cpu_memory::Kind::kGradient);
+}
+
 torch::Tensor part(const torch::Tensor& flat, int64_t rank, int64_t shard) { return flat.narrow(0, rank * shard, shard); }
 
 // Gives a tensor's storage `bytes` bytes from its own allocator (the contents are undefined), or none. Every
@@ -154,7 +162,10 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
       } else {
         b.stepped = mine.detach();
       }
-      b.reduced = torch::zeros_like(b.stepped);  // (shard,) or (size,), the stepped dtype and device
+      // Stages 2-3 make the reduced gradient at the bucket's first reduction and free it after the optimizer
+      // step (as FSDP2's sharded gradients, set to none at zero_grad): it is not held through the forward.
+      b.reduced_per_step = options_.stage >= 2;
+      if (!b.reduced_per_step) b.reduced = torch::zeros_like(b.stepped), mark_gradient(b.reduced);  // (shard,) or (size,), the stepped dtype and device
     }
     if (options_.stage < 2) allocate_gradients(b);  // stage 2: when the bucket's first gradient arrives
     if (!b.stepped.defined()) {  // stage 0 without masters: the optimizer steps the bucket itself
@@ -168,12 +179,11 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
       const int64_t from = std::max(lo, b.offsets[i]), to = std::min(hi, b.offsets[i] + b.params[i].numel());
       if (from >= to) continue;
       auto seg = b.stepped.narrow(0, from - lo, to - from);
-      auto seg_grad = b.reduced.narrow(0, from - lo, to - from);
-      seg.mutable_grad() = seg_grad;
-      b.segments.emplace_back(seg, seg_grad);
+      b.segments.emplace_back(seg, from - lo);
       segments_.push_back({member_names[k][i], from - b.offsets[i], to - b.offsets[i], seg});
       (b.params[i].dim() >= 2 ? decay_ : no_decay_).push_back(seg);
     }
+    attach_reduced(b);
   }
   bytes_uncounted_ = group_->bytes_communicated();  // the initial broadcast is not a training step's traffic
 
@@ -206,9 +216,30 @@ DataParallel::~DataParallel() {
 }
 
 void DataParallel::allocate_gradients(Bucket& b) {
-  if (!b.grad.defined()) b.grad = torch::zeros({b.size}, b.flat.options());  // (size,) param dtype
+  if (!b.grad.defined()) b.grad = torch::zeros({b.size}, b.flat.options()), mark_gradient(b.grad);  // (size,) param dtype
   for (size_t i = 0; i < b.params.size(); ++i)
     b.params[i].mutable_grad() = b.grad.narrow(0, b.offsets[i], b.params[i].numel()).view(b.params[i].sizes());
+}
+
+void DataParallel::attach_reduced(Bucket& b) {
+  for (auto& [seg, from] : b.segments)
+    if (b.reduced.defined()) seg.mutable_grad() = b.reduced.narrow(0, from, seg.numel());
+    else seg.mutable_grad().reset();
+}
+
+void DataParallel::make_reduced(Bucket& b) {
+  if (b.reduced.defined()) return;
+  auto where = b.stepped.options();
+  if (options_.offload && device_.is_cuda()) where = where.pinned_memory(true);
+  b.reduced = torch::empty(b.stepped.sizes(), where);  // (shard,) the stepped dtype; the first reduction fills it
+  mark_gradient(b.reduced);
+  attach_reduced(b);
+}
+
+void DataParallel::free_reduced(Bucket& b) {
+  if (!b.reduced_per_step) return;
+  b.reduced = torch::Tensor();
+  attach_reduced(b);
 }
 
 std::vector<torch::Tensor> DataParallel::stepped_tensors() const {
@@ -237,12 +268,13 @@ void DataParallel::begin_step() {
   torch::NoGradGuard no_grad;
   for (auto& b : buckets_) {
     b->reductions = 0;
+    free_reduced(*b);  // stages 2-3: left by a skipped step
     if (b->reduced.defined() && !b->reduced.is_same(b->grad)) b->reduced.zero_();
     if (b->grad.defined()) {
       b->grad.zero_();
       allocate_gradients(*b);  // re-attach the views, in case something set a parameter's gradient to none
     }
-    for (auto& [seg, seg_grad] : b->segments) seg.mutable_grad() = seg_grad;  // after a zero_grad(set_to_none)
+    if (!b->reduced_per_step) attach_reduced(*b);  // after a zero_grad(set_to_none)
   }
 }
 
@@ -281,8 +313,10 @@ void DataParallel::launch(Bucket& b) {
   }
   // The first reduction of a step may land in `reduced` itself; later ones (one per micro-batch) in a
   // transient buffer that finish() adds.
+  make_reduced(b);
   b.into_reduced = b.reductions == 0 && !b.stepped_is_copy;
   b.scratch = b.into_reduced ? b.reduced : torch::empty({b.shard}, b.grad.options());  // (shard,) param dtype
+  mark_gradient(b.scratch);
   b.pending = group_->reduce_scatter_sum_async(b.scratch, b.grad);
 }
 
@@ -298,7 +332,11 @@ void DataParallel::finish(Bucket& b) {
     }
     return;
   }
-  if (!b.into_reduced) b.reduced.add_(b.reduced.device() == b.scratch.device() ? b.scratch : b.scratch.to(b.reduced.device()));
+  if (!b.into_reduced) {
+    auto here = b.reduced.device() == b.scratch.device() ? b.scratch : b.scratch.to(b.reduced.device());
+    if (b.reductions == 1) b.reduced.copy_(here);  // the step's first: `reduced` holds nothing yet
+    else b.reduced.add_(here);
+  }
   b.scratch = torch::Tensor();
   if (options_.stage == 1) {
     b.grad.zero_();  // kept for the next backward
@@ -370,6 +408,7 @@ void DataParallel::after_optimizer_step() {
     // Stage 3: the part only; the next forward gathers it.
     auto mine = options_.stage == 3 ? b->part : options_.stage > 0 ? part(b->flat, rank, b->shard) : b->flat;
     if (b->stepped_is_copy) mine.copy_(b->stepped, /*non_blocking=*/b->stepped.is_pinned());  // fp32 -> bf16, rounded once per step
+    free_reduced(*b);  // stages 2-3: stepped; the next step's first reduction makes it again
     if (options_.stage == 0 || options_.stage == 3) continue;
     inputs.push_back(mine.clone());  // (shard,): the gather writes over `flat`, which holds it
     gathers.push_back(group_->all_gather_async(b->flat, inputs.back()));

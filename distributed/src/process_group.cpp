@@ -4,6 +4,7 @@
 // here touches a gloo object or an inline member that would (docs/libtorch-notes.md).
 #include "memtrain/distributed/process_group.h"
 
+#include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -22,6 +23,20 @@ std::string what_of(const std::exception& e) {
 
 PendingCollective::PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank)
     : work_(std::move(work)), what_(std::move(what)), rank_(rank) {}
+
+PendingCollective::PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank, int64_t bytes,
+                                     const CollectiveObserver* observer)
+    : work_(std::move(work)), what_(std::move(what)), rank_(rank), bytes_(bytes), observer_(observer),
+      issued_(std::chrono::steady_clock::now()), completed_ns_(std::make_shared<std::atomic<int64_t>>(0)) {
+  // Gloo's and NCCL's works complete a future on their own thread; a backend without one (the base
+  // Work throws) is timed to the end of the wait instead.
+  try {
+    work_->getFuture()->addCallback([done = completed_ns_](c10::ivalue::Future&) {
+      done->store(std::chrono::steady_clock::now().time_since_epoch().count());
+    });
+  } catch (const std::exception&) {
+  }
+}
 PendingCollective::~PendingCollective() = default;
 PendingCollective::PendingCollective(PendingCollective&&) noexcept = default;
 PendingCollective& PendingCollective::operator=(PendingCollective&&) noexcept = default;
@@ -34,6 +49,12 @@ void PendingCollective::wait() {
     work->wait();
   } catch (const std::exception& e) {
     throw Error(detail::concat("[dist] rank ", rank_, ": ", what_, " failed (a peer died or timed out): ", what_of(e)));
+  }
+  if (observer_ && *observer_) {
+    const auto now = std::chrono::steady_clock::now();
+    const auto ns = completed_ns_->load();
+    const auto completed = ns > 0 ? std::chrono::steady_clock::time_point(std::chrono::steady_clock::duration(ns)) : now;
+    (*observer_)(what_, bytes_, issued_, std::min(completed, now));
   }
 }
 
@@ -89,6 +110,7 @@ ProcessGroup::~ProcessGroup() = default;
 
 PendingCollective ProcessGroup::start(c10::intrusive_ptr<c10d::Work> work, const std::string& what, int64_t bytes) {
   bytes_ += bytes;
+  if (observer_) return PendingCollective(std::move(work), what, rank_, bytes, &observer_);
   return PendingCollective(std::move(work), what, rank_);
 }
 

@@ -3,6 +3,7 @@
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "memtrain/core/cpu_memory.h"
 #include "memtrain/core/error.h"
 #include "memtrain/runtime/precision.h"
 
@@ -73,7 +74,12 @@ struct FusedLinearCrossEntropy : public torch::autograd::Function<FusedLinearCro
     }
     (void)V;
     const double inv_n = 1.0 / static_cast<double>(N);
-    ctx->save_for_backward({grad_x.mul_(inv_n).to(x.scalar_type()), grad_w.mul_(inv_n).to(weight.scalar_type())});
+    auto saved_x = grad_x.mul_(inv_n).to(x.scalar_type()), saved_w = grad_w.mul_(inv_n).to(weight.scalar_type());
+    if (saved_x.is_cpu()) {  // the tracker tells these apart from activations at the peak
+      cpu_memory::mark(saved_x.storage().data(), cpu_memory::Kind::kHeadSaved);
+      cpu_memory::mark(saved_w.storage().data(), cpu_memory::Kind::kHeadSaved);
+    }
+    ctx->save_for_backward({saved_x, saved_w});
     return {loss / static_cast<double>(N)};
   }
 

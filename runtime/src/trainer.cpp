@@ -268,6 +268,11 @@ void Trainer::setup() {
                  "[memory] memory.track = true on CPU needs memtrain::cpu_memory::install() at the start of main()");
   if (!config_.memory.track) mo.devices.clear();
   tracker_ = std::make_unique<MemoryTracker>(mo);
+  if (config_.log.trace && dp_)
+    dp_->observe_collectives([tracker = tracker_.get()](const std::string& what, int64_t bytes, MemoryTracker::Clock::time_point issued,
+                                                        MemoryTracker::Clock::time_point completed) {
+      tracker->trace_collective(what, bytes, issued, completed);
+    });
   if (config_.log.trace && config_.log.trace_blocks) {
     auto traced = std::make_unique<TraceBlocks>(*tracker_, std::move(block_hooks_));
     trace_blocks_ = traced.get();
@@ -319,14 +324,24 @@ torch::Tensor Trainer::forward_loss(const Batch& batch) {
   return model_->loss(model_->head(h), batch.target);
 }
 
+void Trainer::mark_gradients() const {
+  // The counting allocator takes the peak apart by marked blocks: the gradients this backward made (a
+  // parameter's .grad, or with several ranks the bucket it is a view of; DataParallel marks its own).
+  if (!device_.is_cpu() || !cpu_memory::installed()) return;
+  for (const auto& p : params_)
+    if (p.grad().defined()) cpu_memory::mark(p.grad().storage().data(), cpu_memory::Kind::kGradient);
+}
+
 void Trainer::move_grads_to_masters() {
   if (master_.empty()) return;
   torch::NoGradGuard no_grad;
+  const bool mark = device_.is_cpu() && cpu_memory::installed();
   for (size_t i = 0; i < master_.size(); ++i) {
     auto& g = params_[i].mutable_grad();
     if (!g.defined()) continue;
     if (master_[i].grad().defined()) master_[i].mutable_grad().add_(g);
     else master_[i].mutable_grad() = g.to(torch::kFloat);
+    if (mark) cpu_memory::mark(master_[i].grad().storage().data(), cpu_memory::Kind::kGradient);
     g.reset();  // the bf16 gradient is freed: the next micro-batch starts from zero
   }
 }
@@ -489,6 +504,7 @@ StepResult Trainer::attempt_step() {
       (scaler_ ? scaler_->scale(loss) : loss).backward();
       if (dp_) dp_->end_micro_batch();
       if (trace_blocks_) trace_blocks_->end_backward();
+      mark_gradients();         // for the tracker's breakdown of the peak (CPU)
       move_grads_to_masters();  // bf16 parameters: accumulate in fp32, not across micro-batches in bf16
       tracker_->end_phase(Phase::kBackward);
       loss_sum += loss.detach();

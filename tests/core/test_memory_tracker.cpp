@@ -40,6 +40,63 @@ TEST(CpuMemory, PeakSinceReset) {
   EXPECT_EQ(cpu_memory::peak() - before, 12000);
 }
 
+TEST(CpuMemory, ThePeakKnowsWhichMarkedBlocksWereAliveAtIt) {
+  cpu_memory::reset_peak();
+  auto before_window = torch::empty({100}, torch::kFloat);  // 400 bytes, marked, resident: total, not born
+  cpu_memory::mark(before_window.storage().data(), cpu_memory::Kind::kGradient);
+  cpu_memory::reset_peak();
+  auto gone = torch::empty({1000}, torch::kFloat);  // 4000, marked, freed before the peak: not counted
+  cpu_memory::mark(gone.storage().data(), cpu_memory::Kind::kGradient);
+  gone.reset();
+  auto a = torch::empty({1 << 18}, torch::kFloat);  // 1 MiB, marked: alive at the peak
+  auto b = torch::empty({1 << 19}, torch::kFloat);  // 2 MiB, not marked
+  auto c = torch::empty({1 << 16}, torch::kFloat);  // 256 KiB, marked after the fact, freed after the peak
+  auto h = torch::empty({1 << 10}, torch::kFloat);  // 4 KiB, another kind
+  b.reset();                                         // the peak was just before this
+  auto late = torch::empty({1 << 17}, torch::kFloat);  // 512 KiB, born after the peak: not counted
+  cpu_memory::mark(a.storage().data(), cpu_memory::Kind::kGradient);
+  cpu_memory::mark(c.storage().data(), cpu_memory::Kind::kGradient);
+  cpu_memory::mark(late.storage().data(), cpu_memory::Kind::kGradient);
+  cpu_memory::mark(h.storage().data(), cpu_memory::Kind::kHeadSaved);
+  c.reset();
+  const auto g = cpu_memory::bytes_at_peak(cpu_memory::Kind::kGradient);
+  EXPECT_EQ(g.total, 400 + (1 << 20) + (1 << 18));
+  EXPECT_EQ(g.born, (1 << 20) + (1 << 18));
+  EXPECT_EQ(cpu_memory::bytes_at_peak(cpu_memory::Kind::kHeadSaved).total, 4096);
+  int x = 0;
+  cpu_memory::mark(&x, cpu_memory::Kind::kGradient);  // not a tensor block: ignored
+}
+
+// One process: the peak of a GPT step taken apart. With the fused head, its saved input and weight
+// gradients are alive from its forward to its backward; with a 4096-token vocabulary they are big enough
+// that the step peaks while they live (at the head): exactly (tokens x C + V x C) fp32 bytes. Without
+// the fused head, none; and the gradients born by the peak are the parameters' at most.
+TEST(MemoryTracker, AGptPeakIsTakenApartIntoGradientsTheFusedHeadAndActivations) {
+  for (const char* head : {"fused:32", "plain"}) {
+    SCOPED_TRACE(head);
+    auto c = test::tiny_gpt_config(2);
+    c.train.micro_batch = 8;
+    c.model.vocab_size = 4096;
+    c.memory.head = head;
+    Trainer t(c);
+    t.step();
+    t.step();  // steady: the optimizer state exists
+    const auto& s = t.tracker().last()[0];
+    ASSERT_TRUE(s.at_peak.known);
+    const auto& p = t.model().named_parameters();
+    const int64_t C = c.model.n_embd, tokens = c.train.micro_batch * c.model.block_size;
+    const int64_t V = p["wte.weight"].size(0);
+    int64_t param_bytes = 0;
+    for (const auto& item : p) param_bytes += item.value().numel() * 4;
+    EXPECT_EQ(s.at_peak.head_saved, std::string(head) == "plain" ? 0 : (tokens * C + V * C) * 4);
+    EXPECT_LE(s.at_peak.grads_born, param_bytes);
+    EXPECT_EQ(s.at_peak.grads, s.at_peak.grads_born);  // zero_grad(set_to_none) before the step: none resident
+    EXPECT_GT(s.at_peak.activations, 0);
+    EXPECT_EQ(s.at_peak.activations + s.at_peak.grads_born + s.at_peak.head_saved, s.activation_peak);
+    EXPECT_EQ(s.grads_at_optimizer, param_bytes);  // every parameter has its gradient when the step begins
+  }
+}
+
 TEST(MemoryTracker, StepPeakActivationAndPhase) {
   MemoryTracker tracker({});
   torch::Tensor resident = torch::empty({256}, torch::kFloat);  // 1 KiB held across the step

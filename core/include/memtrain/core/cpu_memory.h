@@ -22,6 +22,19 @@ int64_t allocations();   // number of allocations since install()
 void set_limit(int64_t bytes);
 int64_t limit();
 
+// What the peak was made of. An owner marks live blocks of its kind (gradient buckets, a parameter's
+// .grad, the fused head's saved gradient); every allocation and free is numbered, and the peak keeps the
+// number at which it was reached, so bytes_at_peak(kind) is exact: the marked blocks allocated at or
+// before the peak and freed after it. A block can be marked any time while it lives (after the backward
+// that made it, say). `born` counts those allocated since the last reset_peak() (the step's own).
+enum class Kind { kGradient, kHeadSaved };
+void mark(const void* block, Kind kind);  // `block`: the storage's base pointer; unknown pointers are ignored
+struct KindBytes {
+  int64_t total = 0;
+  int64_t born = 0;
+};
+KindBytes bytes_at_peak(Kind kind);
+
 // Makes glibc keep freed heap memory for reuse instead of returning it to the kernel (no trimming,
 // no mmap for large blocks). A training step frees and re-allocates the same activation sizes every
 // step; by default glibc gives large blocks back and the next step page-faults them in again, which

@@ -73,6 +73,19 @@ struct DeviceMemorySample {
   Phase peak_phase = Phase::kStart;
   ResidentBytes resident;       // at step end
   int64_t pinned_host_bytes = 0;  // CPU sample only: pinned_host_bytes() at step end
+  // Gradient bytes held when the optimizer step began (the resident source at the last backward's end):
+  // one process the whole gradient; ZeRO-2/3 this rank's reduced part only, which the step then frees.
+  int64_t grads_at_optimizer = 0;
+  // What the step added by its peak, taken apart (CPU only: the counting allocator numbers allocations and
+  // frees, so the blocks alive at the peak are known; CUDA's caching allocator keeps no such history):
+  // activation_peak = grads_born + head_saved + activations.
+  struct AtPeak {
+    bool known = false;
+    int64_t grads = 0;        // every gradient byte alive at the peak (buckets, .grad, reduced parts, masters')
+    int64_t grads_born = 0;   // of which allocated in this step
+    int64_t head_saved = 0;   // the fused head's input and weight gradients, saved by its forward for backward
+    int64_t activations = 0;  // the rest: saved activations, and the temporaries of the phase of the peak
+  } at_peak;
 };
 
 struct MemoryTrackerOptions {
@@ -104,6 +117,9 @@ class MemoryTracker {
   void record_trace(bool on) { tracing_ = on; }
   // A span outside the steps (an evaluation, a checkpoint save).
   void trace_span(const std::string& name, Clock::time_point begin, Clock::time_point end);
+  // A collective, from its issue to its completion: an async span on the rank's "collectives" track
+  // (collectives overlap each other and the phases), with its bytes and step.
+  void trace_collective(const std::string& name, int64_t bytes, Clock::time_point issued, Clock::time_point completed);
   // The recorded trace as JSON ({"traceEvents": [...]}), written atomically to `path`.
   void write_trace(const std::string& path) const;
 
@@ -158,6 +174,7 @@ class MemoryTracker {
   std::ofstream jsonl_;
   int64_t step_ = 0;
   std::vector<int64_t> start_allocated_;         // per device
+  std::vector<int64_t> grads_at_optimizer_;      // per device, this step
   std::vector<std::vector<PhaseMark>> marks_;    // per device, this step
   std::vector<DeviceMemorySample> last_;
   std::map<std::string, Totals> totals_;
@@ -172,6 +189,12 @@ class MemoryTracker {
     size_t device = 0;
     int64_t peak = 0;
   };
+  struct TraceCollective {
+    std::string name;
+    int64_t bytes = 0, step = 0;
+    int64_t begin_us = 0, end_us = 0;
+  };
+  std::vector<TraceCollective> collectives_;
   int64_t micros(Clock::time_point t) const;
   bool tracing_ = false;
   Clock::time_point origin_ = Clock::now();

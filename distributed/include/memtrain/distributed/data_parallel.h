@@ -10,7 +10,10 @@
 //   stage 0  gradients all-reduced (sum, then / N: Gloo has no AVG); every rank steps everything.
 //   stage 1  gradients reduce-scattered into this rank's shard; optimizer state (and fp32 master
 //            weights with bf16 parameters) exist for the shard only; the updated shards are all-gathered.
-//   stage 2  as 1, and a bucket's full-size gradient is freed as soon as it has been reduce-scattered.
+//   stage 2  as 1, and a bucket's full-size gradient is freed as soon as it has been reduce-scattered;
+//            the reduced part is made by the bucket's first reduction and freed after the optimizer step
+//            (FSDP2's sharded gradients are likewise none from zero_grad to the reduce-scatter), so the
+//            forward, where the activations peak, holds no gradient at all.
 //   stage 3  as 2, and the parameters too: a rank keeps only its part of each bucket between uses. The
 //            buckets (still at most bucket_mib) never span two of the model's units (each block, and a root unit for everything outside the
 //            blocks: embeddings, final norm, head, and any parameter two units share). A unit's buckets are
@@ -141,6 +144,8 @@ class DataParallel {
   int64_t traffic_mark() const { return group_->bytes_communicated(); }
   void not_step_traffic(int64_t mark) { bytes_uncounted_ += group_->bytes_communicated() - mark; }
   const ProcessGroup& group() const { return *group_; }
+  // Every collective of the group, once waited for (the trace's collective spans).
+  void observe_collectives(CollectiveObserver observer) { group_->set_observer(std::move(observer)); }
   int64_t num_buckets() const;
   // The index name -> (bucket, offset, shape), in bucket order: what a sharded, name-keyed checkpoint
   // needs to find a parameter's part of each rank's state.
@@ -159,6 +164,9 @@ class DataParallel {
   void launch(Bucket& b);
   void finish(Bucket& b);
   void allocate_gradients(Bucket& b);
+  void attach_reduced(Bucket& b);   // the stepped segments' .grad: views of `reduced`, or none
+  void make_reduced(Bucket& b);     // stages 2-3: `reduced` for this step, unfilled
+  void free_reduced(Bucket& b);     // stages 2-3: after the optimizer step
   void gather_unit(int64_t unit);   // stage 3: starts the gathers of a unit's buckets not yet gathered
   void wait_unit(int64_t unit);     // stage 3: waits for them
   void release(Bucket& b);          // stage 3: frees a bucket's full parameter storage

@@ -11,7 +11,9 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -31,11 +33,21 @@ struct ProcessGroupOptions {
   c10::Device device = c10::kCPU;        // this rank's device: the tensors the collectives move
 };
 
+// Told of every collective once it has been waited for (on the waiting thread): what it was, its bytes,
+// when it was issued and when it completed (the backend's completion callback where it has one, else
+// the end of the wait). The trace's collective spans.
+using CollectiveObserver = std::function<void(const std::string& what, int64_t bytes,
+                                              std::chrono::steady_clock::time_point issued,
+                                              std::chrono::steady_clock::time_point completed)>;
+
 // A collective started but not waited for (bucketed gradient reduction overlaps them with backward).
 class PendingCollective {
  public:
   PendingCollective() = default;
   PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank);
+  // With an observer: also its bytes and issue time; completion is taken from the work's future.
+  PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank, int64_t bytes,
+                    const CollectiveObserver* observer);
   ~PendingCollective();
   PendingCollective(PendingCollective&&) noexcept;
   PendingCollective& operator=(PendingCollective&&) noexcept;
@@ -47,6 +59,11 @@ class PendingCollective {
   c10::intrusive_ptr<c10d::Work> work_;
   std::string what_;
   int rank_ = 0;
+  int64_t bytes_ = 0;
+  const CollectiveObserver* observer_ = nullptr;  // the group's; the group outlives its collectives
+  std::chrono::steady_clock::time_point issued_;
+  // Set by the backend's thread when the work completes (nanoseconds since the clock's epoch; 0: not yet).
+  std::shared_ptr<std::atomic<int64_t>> completed_ns_;
 };
 
 class ProcessGroup {
@@ -75,6 +92,8 @@ class ProcessGroup {
   // Bytes this rank has put into collectives so far: each collective counts its buffer's size (a ring
   // all-reduce moves about 2 (N-1)/N of it per rank, a reduce-scatter or all-gather (N-1)/N).
   int64_t bytes_communicated() const { return bytes_; }
+  // Every collective of this group, once waited for, is reported to `observer` (empty: none).
+  void set_observer(CollectiveObserver observer) { observer_ = std::move(observer); }
 
  private:
   ProcessGroup() = default;
@@ -86,6 +105,7 @@ class ProcessGroup {
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::Backend> backend_;
   int64_t bytes_ = 0;
+  CollectiveObserver observer_;
 };
 
 namespace detail {

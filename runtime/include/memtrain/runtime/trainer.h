@@ -127,6 +127,7 @@ class Trainer {
   std::vector<ShardPiece> state_pieces() const;
   torch::Tensor forward_loss(const Batch& batch);
   Batch to_device(Batch batch) const;
+  void mark_gradients() const;   // this backward's gradient blocks, for the tracker's peak breakdown (CPU)
   void move_grads_to_masters();  // device, and floating inputs in the parameters' dtype
   void resolve_budget_policy();
   void sync_buffers();  // several ranks: floating buffers (BatchNorm statistics) from rank 0
