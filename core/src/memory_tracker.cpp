@@ -200,8 +200,10 @@ const std::vector<DeviceMemorySample>& MemoryTracker::end_step() {
       s.pinned_host_bytes = pinned_host_bytes();
       const auto grads = cpu_memory::bytes_at_peak(cpu_memory::Kind::kGradient);
       const auto head = cpu_memory::bytes_at_peak(cpu_memory::Kind::kHeadSaved);
+      const auto gathered = cpu_memory::bytes_at_peak(cpu_memory::Kind::kGathered);
       s.at_peak = {.known = true, .grads = grads.total, .grads_born = grads.born, .head_saved = head.born,
-                   .activations = s.activation_peak - grads.born - head.born};
+                   .gathered = gathered.born,
+                   .activations = s.activation_peak - grads.born - head.born - gathered.born};
     }
     last_.push_back(s);
 
@@ -233,7 +235,8 @@ const std::vector<DeviceMemorySample>& MemoryTracker::end_step() {
       if (device.is_cpu()) j["pinned_host_bytes"] = s.pinned_host_bytes;
       if (s.at_peak.known)
         j["at_peak"] = {{"gradients", s.at_peak.grads}, {"gradients_born", s.at_peak.grads_born},
-                        {"head_saved", s.at_peak.head_saved}, {"activations", s.at_peak.activations}};
+                        {"head_saved", s.at_peak.head_saved}, {"gathered", s.at_peak.gathered},
+                        {"activations", s.at_peak.activations}};
       jsonl_ << j.dump() << '\n';
     }
   }

@@ -282,6 +282,7 @@ void DataParallel::begin_micro_batch(bool last) {
   armed_ = options_.reduce_every_micro_batch || last;
   next_to_launch_ = 0;
   for (auto& b : buckets_) b->ready = 0;
+  backward_prefetched_.assign(unit_buckets_.size(), false);
 }
 
 void DataParallel::on_gradient_ready(size_t k) {
@@ -290,6 +291,7 @@ void DataParallel::on_gradient_ready(size_t k) {
     // Stage 3: every parameter of the bucket has its gradient, so no node left in this backward uses them.
     if (options_.stage == 3) release(*buckets_[k]);
     launch_ready_buckets();
+    if (options_.stage == 3) prefetch_backward(buckets_[k]->unit);
   }
 }
 
@@ -298,9 +300,13 @@ void DataParallel::launch_ready_buckets() {
   while (next_to_launch_ < buckets_.size() && buckets_[next_to_launch_]->ready == buckets_[next_to_launch_]->params.size()) {
     launch(*buckets_[next_to_launch_++]);
     // Stage 2: finish (wait for, add, free) the bucket before the one just launched, so at most two
-    // full-size gradient buckets are in flight while backward goes on.
+    // full-size gradient buckets are in flight while backward goes on; and any earlier one whose
+    // reduce-scatter has already completed, without waiting, so its full gradient goes at once.
     if (options_.stage >= 2 && next_to_launch_ >= 2) finish(*buckets_[next_to_launch_ - 2]);
   }
+  if (options_.stage >= 2)
+    for (size_t k = next_to_launch_ >= 2 ? next_to_launch_ - 2 : 0; k < next_to_launch_; ++k)
+      if (buckets_[k]->pending.completed()) finish(*buckets_[k]);
 }
 
 void DataParallel::launch(Bucket& b) {
@@ -455,6 +461,7 @@ void DataParallel::gather_unit(int64_t unit) {
     if (b.gathered) continue;
     const auto bytes = static_cast<size_t>(b.size) * b.flat.element_size();
     resize_storage(b.flat, bytes);
+    if (b.flat.is_cpu()) cpu_memory::mark(b.flat.storage().data(), cpu_memory::Kind::kGathered);
     gathered_bytes_ += static_cast<int64_t>(bytes);
     peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
     b.gathered = true;
@@ -508,9 +515,21 @@ void DataParallel::after_block(int64_t i) {
 
 void DataParallel::before_block_backward(int64_t i) {
   if (options_.stage != 3) return;
-  gather_unit(i);
-  for (int64_t j = i - 1; j >= std::max<int64_t>(0, i - options_.prefetch); --j) gather_unit(j);
+  gather_unit(i);  // already in flight when block i + 1 prefetched it
+  if (unit_buckets_[static_cast<size_t>(i)].size() == 1) prefetch_backward(i);  // else: at its first bucket's end
   wait_unit(i);
+}
+
+void DataParallel::prefetch_backward(int64_t unit) {
+  // The blocks before `unit` are gathered once its first bucket is complete (reduce-scattered, its storage
+  // and full gradient freed), not at its backward's start: the backward's start is where the activations
+  // peak, and a block gathered there adds to that peak (FSDP2 on Gloo holds one less there). The gather still
+  // overlaps the rest of the block's backward; a block of one bucket prefetches at its start instead.
+  if (unit >= num_units() - 1 || backward_prefetched_[static_cast<size_t>(unit)]) return;  // the root: nothing before it
+  backward_prefetched_[static_cast<size_t>(unit)] = true;
+  // The reductions in flight end first, so their full gradients are gone before the gathered block comes.
+  for (size_t k = 0; k < next_to_launch_; ++k) finish(*buckets_[k]);
+  for (int64_t j = unit - 1; j >= std::max<int64_t>(0, unit - options_.prefetch); --j) gather_unit(j);
 }
 
 void DataParallel::gather_all() {

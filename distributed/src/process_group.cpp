@@ -41,6 +41,7 @@ PendingCollective::~PendingCollective() = default;
 PendingCollective::PendingCollective(PendingCollective&&) noexcept = default;
 PendingCollective& PendingCollective::operator=(PendingCollective&&) noexcept = default;
 bool PendingCollective::pending() const { return static_cast<bool>(work_); }
+bool PendingCollective::completed() const { return work_ && work_->isCompleted(); }
 
 void PendingCollective::wait() {
   if (!work_) return;

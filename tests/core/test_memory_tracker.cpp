@@ -92,6 +92,7 @@ TEST(MemoryTracker, AGptPeakIsTakenApartIntoGradientsTheFusedHeadAndActivations)
     EXPECT_LE(s.at_peak.grads_born, param_bytes);
     EXPECT_EQ(s.at_peak.grads, s.at_peak.grads_born);  // zero_grad(set_to_none) before the step: none resident
     EXPECT_GT(s.at_peak.activations, 0);
+    EXPECT_EQ(s.at_peak.gathered, 0);  // ZeRO-3 only
     EXPECT_EQ(s.at_peak.activations + s.at_peak.grads_born + s.at_peak.head_saved, s.activation_peak);
     EXPECT_EQ(s.grads_at_optimizer, param_bytes);  // every parameter has its gradient when the step begins
   }

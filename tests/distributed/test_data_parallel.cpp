@@ -319,7 +319,7 @@ TEST(DataParallel, OffloadInOneProcessTrainsAsWithoutIt) {
 }
 
 TEST(DataParallel, ARankThatFailsBetweenCollectivesEndsTheJobAtOnceNamingTheCause) {
-  // ZeRO-3 over 4 ranks under a 165 MiB limit per process: training fits (its peak is about 151 MiB), but
+  // ZeRO-3 over 4 ranks under a 165 MiB limit per process: training fits (its peak is about 148 MiB), but
   // rank 0 cannot also hold the full weights (97 MiB) beside its 76 MiB of states for the final save. Its error must be printed and
   // end the job at once: a failed rank that tore its process group down would wait for the gathers it had
   // queued to peers (until dist.timeout_s), printing nothing.
@@ -336,7 +336,11 @@ TEST(DataParallel, ARankThatFailsBetweenCollectivesEndsTheJobAtOnceNamingTheCaus
   fs::remove_all(dir);
   EXPECT_NE(code, 0) << out;
   EXPECT_NE(code, 124) << "the job hung until the timeout:\n" << out;
-  EXPECT_NE(out.find("[rank 0] memtrain: LibTorch error: CPU out of memory"), std::string::npos) << out;
+  // Rank 0's own message names the cause (it may surface from the allocation itself or from inside the
+  // gather that asked for it).
+  const auto line = out.find("[rank 0] memtrain: ");
+  ASSERT_NE(line, std::string::npos) << out;
+  EXPECT_NE(out.substr(line, out.find('\n', line) - line).find("CPU out of memory"), std::string::npos) << out;
   EXPECT_NE(out.find("step     2/2"), std::string::npos) << "training itself fits the limit:\n" << out;
 }
 

@@ -27,7 +27,7 @@ int64_t limit();
 // number at which it was reached, so bytes_at_peak(kind) is exact: the marked blocks allocated at or
 // before the peak and freed after it. A block can be marked any time while it lives (after the backward
 // that made it, say). `born` counts those allocated since the last reset_peak() (the step's own).
-enum class Kind { kGradient, kHeadSaved };
+enum class Kind { kGradient, kHeadSaved, kGathered };  // kGathered: ZeRO-3's full parameters while gathered
 void mark(const void* block, Kind kind);  // `block`: the storage's base pointer; unknown pointers are ignored
 struct KindBytes {
   int64_t total = 0;

@@ -78,12 +78,13 @@ struct DeviceMemorySample {
   int64_t grads_at_optimizer = 0;
   // What the step added by its peak, taken apart (CPU only: the counting allocator numbers allocations and
   // frees, so the blocks alive at the peak are known; CUDA's caching allocator keeps no such history):
-  // activation_peak = grads_born + head_saved + activations.
+  // activation_peak = grads_born + head_saved + gathered + activations.
   struct AtPeak {
     bool known = false;
     int64_t grads = 0;        // every gradient byte alive at the peak (buckets, .grad, reduced parts, masters')
     int64_t grads_born = 0;   // of which allocated in this step
     int64_t head_saved = 0;   // the fused head's input and weight gradients, saved by its forward for backward
+    int64_t gathered = 0;     // ZeRO-3: full parameter storage gathered for the units running (and prefetched)
     int64_t activations = 0;  // the rest: saved activations, and the temporaries of the phase of the peak
   } at_peak;
 };

@@ -112,7 +112,8 @@ class DataParallel {
 
   // Stage 3 (no-ops otherwise). begin_forward() before a forward: gathers the root unit (and prefetches
   // the first blocks). Around block i: before_block(i) gathers it (and prefetches the next), after_block(i)
-  // frees it; before_block_backward(i) gathers it again when its output's gradient arrives. end_micro_batch()
+  // frees it; before_block_backward(i) gathers it again when its output's gradient arrives (the blocks
+  // before it are prefetched when its first bucket's gradient is complete). end_micro_batch()
   // and release_all() free everything still gathered; gather_all() gathers every unit (saving weights).
   // Collective: every rank calls them in the same order.
   void begin_forward();
@@ -170,6 +171,7 @@ class DataParallel {
   void gather_unit(int64_t unit);   // stage 3: starts the gathers of a unit's buckets not yet gathered
   void wait_unit(int64_t unit);     // stage 3: waits for them
   void release(Bucket& b);          // stage 3: frees a bucket's full parameter storage
+  void prefetch_backward(int64_t unit);  // stage 3: gathers the blocks before `unit`, once per backward
   int64_t num_units() const { return static_cast<int64_t>(unit_buckets_.size()); }  // blocks + the root
   // Runs a collective whose bytes are not the step's traffic (evaluation, logged losses, buffers).
   template <class Collective>
@@ -187,6 +189,7 @@ class DataParallel {
   int64_t bytes_uncounted_ = 0;  // of which outside the step (broadcast at start, evaluation, losses)
   c10::Device device_ = c10::kCPU;
   std::vector<std::vector<size_t>> unit_buckets_;  // stage 3: per unit (blocks 0..U-1, then the root), its buckets
+  std::vector<bool> backward_prefetched_;          // stage 3: per unit, this backward's prefetch issued
   int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
 };
 

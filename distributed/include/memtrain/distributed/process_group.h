@@ -54,6 +54,7 @@ class PendingCollective {
   // Blocks until done; a failed or timed-out collective throws memtrain::Error naming it.
   void wait();
   bool pending() const;
+  bool completed() const;  // pending and already done (wait() will not block); never blocks
 
  private:
   c10::intrusive_ptr<c10d::Work> work_;
