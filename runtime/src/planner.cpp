@@ -1,6 +1,9 @@
 #include "memtrain/runtime/planner.h"
 
+#include <torch/torch.h>
+
 #include <algorithm>
+#include <chrono>
 #include <iomanip>
 #include <sstream>
 
@@ -13,6 +16,7 @@ std::string PlanCandidate::describe() const {
   std::ostringstream o;
   o << "micro-batch " << micro_batch << " x " << accum_steps << ", recompute " << recompute << ", head " << head
     << ", stage " << stage;
+  if (offload) o << " + offload";
   return o.str();
 }
 
@@ -25,12 +29,37 @@ double recompute_fraction(const std::string& policy) {
   return 1;  // budget:MiB: at most all
 }
 
-double plan_step_cost(int64_t micro_batch, int64_t accum_steps, double recompute_fraction, int stage, double comm_share) {
+double plan_step_cost(int64_t micro_batch, int64_t accum_steps, double recompute_fraction, int stage, double comm_share,
+                      bool offload) {
   // Forward 1, backward 2: recomputing a fraction r of the forward adds r / 3 of the compute.
   const double compute = static_cast<double>(accum_steps) * static_cast<double>(micro_batch + 1) * (1 + recompute_fraction / 3);
   const double samples = static_cast<double>(accum_steps * micro_batch);
   const double comm = comm_share * (samples + 1) * (stage == 3 ? 1.5 : 1.0);
-  return compute + comm;
+  return (compute + comm) * (offload ? 2.0 : 1.0);
+}
+
+double offload_step_ms(int64_t stepped_elements, int64_t grad_bytes_per_element, int64_t param_bytes_per_element,
+                       double cpu_update_ns_per_element, double link_bytes_per_s) {
+  const double n = static_cast<double>(stepped_elements);
+  const double copies = n * static_cast<double>(grad_bytes_per_element + param_bytes_per_element) / link_bytes_per_s;
+  return n * cpu_update_ns_per_element * 1e-6 + copies * 1e3;
+}
+
+double time_cpu_update() {
+  torch::NoGradGuard no_grad;
+  constexpr int64_t n = 1 << 20;
+  auto f = torch::TensorOptions().dtype(torch::kFloat);
+  std::vector<torch::Tensor> p{torch::zeros({n}, f)}, g{torch::full({n}, 1e-3, f)}, m{torch::zeros({n}, f)},
+      v{torch::zeros({n}, f)}, step{torch::zeros({}, f)};
+  double best = 1e30;
+  for (int i = 0; i < 4; ++i) {  // the first warms the kernel and the pages
+    const auto t0 = std::chrono::steady_clock::now();
+    torch::_foreach_add_(step, 1);
+    at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, step, 1e-3, 0.9, 0.999, 0.0, 1e-8, false, false);
+    const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
+    if (i > 0) best = std::min(best, ns);
+  }
+  return best / static_cast<double>(n);
 }
 
 namespace {

@@ -158,12 +158,13 @@ void Trainer::setup() {
   param_names_ = names;
   // Several ranks use the data-parallel engine and its sharded optimizer; so does one process whose
   // optimizer state is offloaded to host memory (a group of one: ZeRO-Offload on a single device).
-  const bool sharded = world_.world_size > 1 || config_.dist.offload_optimizer == "cpu";
+  // (A plan for memory.budget_mib may choose offload below: the one-process masters made here are dropped then.)
+  bool sharded = world_.world_size > 1 || config_.dist.offload_optimizer == "cpu";
+  torch::OrderedDict<std::string, torch::Tensor> masters;
   if (t.param_dtype == "bf16") {
     // bf16 parameters and gradients in the model; the optimizer steps fp32 master copies, which are
     // copied back after each step (the bf16 rounding of an update never accumulates).
     param_dtype_ = torch::kBFloat16;
-    torch::OrderedDict<std::string, torch::Tensor> masters;
     // Several ranks: DataParallel keeps the masters (for this rank's part only from ZeRO stage 1).
     for (size_t i = 0; i < params_.size() && !sharded; ++i) {
       master_.push_back(params_[i].detach().to(torch::kFloat, /*non_blocking=*/false, /*copy=*/true).requires_grad_());
@@ -190,9 +191,6 @@ void Trainer::setup() {
     };
     for (auto& p : model_->parameters()) to_bf16(p);
     for (auto& b : model_->buffers()) to_bf16(b);
-    if (!sharded) optimizer_ = make_optimizer(optimizer_options(t), masters);
-  } else if (!sharded) {
-    optimizer_ = make_optimizer(optimizer_options(t), model_->named_parameters());
   }
   // Stage 3's units (and the estimate's): each parameter's block; -1 (the root, gathered for the whole
   // step) for those outside every block and for those two blocks share.
@@ -208,8 +206,13 @@ void Trainer::setup() {
       units_.push_back(it == unit.end() ? -1 : it->second);
     }
   }
-  // memory.budget_mib: the settings below (micro-batch, recompute, head, stage) are the plan's.
-  if (parse_budget_mib(config_.memory.budget_mib) != 0) plan_to_budget();
+  // memory.budget_mib: the settings below (micro-batch, recompute, head, stage, offload) are the plan's.
+  if (parse_budget_mib(config_.memory.budget_mib) != 0) {
+    plan_to_budget();
+    sharded = world_.world_size > 1 || config_.dist.offload_optimizer == "cpu";
+    if (sharded) master_.clear(), masters.clear();  // one process, offload chosen: DataParallel keeps them
+  }
+  if (!sharded) optimizer_ = make_optimizer(optimizer_options(t), t.param_dtype == "bf16" ? masters : model_->named_parameters());
   policy_ = CheckpointPolicy::parse(config_.memory.recompute);
   policy_.offload = config_.memory.offload;
   if (policy_.mode == CheckpointPolicy::Mode::kPart) {

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <fstream>
 #include <functional>
+#include <numeric>
 #include <iostream>
 #include <optional>
 
@@ -162,6 +163,13 @@ void Trainer::plan_to_budget() {
   if (model_->has_linear_head()) heads.push_back("fused");
   std::vector<int> stages = {static_cast<int>(config_.dist.zero_stage)};
   if (world_.world_size > 1) stages = {0, 1, 2, 3};
+  // Offload is a knob where it frees the device (CUDA): the stepped part, its gradient and the optimizer
+  // state move to host memory, at the price of the CPU update and the copies (offload_step_ms, with the CPU
+  // update timed here). On a CPU the host is the device: it would only add the copy, so it stays as set.
+  const bool configured_offload = config_.dist.offload_optimizer == "cpu";
+  std::vector<bool> offloads = {configured_offload};
+  if (device_.is_cuda()) offloads = {false, true};
+  const double cpu_update_ns = device_.is_cuda() ? time_cpu_update() : 0;
 
   // One probe per (policy, head) at two small micro-batches; bytes and times extrapolate along their lines.
   // The smallest candidate is probed itself (per-micro-batch costs do not extrapolate down well: measured),
@@ -180,19 +188,34 @@ void Trainer::plan_to_budget() {
       if (!warm) probe_activations(p0, !sharded), warm = true;  // the first forward of a process runs slower
       const auto pr = probe_at(p0, p1, /*keep_grads=*/!sharded, /*timings=*/timed ? 3 : 1);
       for (auto mb : micro) {
-        for (int stage : stages) {
-          auto in = estimate_inputs(world_.world_size);
-          in.micro_batch = mb, in.accum_steps = global / mb, in.stage = stage, in.budget_bytes = -1;
-          in.probe = pr;
-          // The later micro-batches of one process find the gradients resident; what their backward adds is
-          // taken as the first micro-batch's (gradients born included): an over-estimate by at most the
-          // gradient bytes, which spares a second probe per setting.
-          if (!sharded) in.probe_dropped = pr;
-          PlanCandidate c{.micro_batch = mb, .accum_steps = global / mb, .recompute = policy, .head = head, .stage = stage,
-                          .estimate = estimate_memory(in)};
-          c.step_ms = timed ? static_cast<double>(global / mb) * pr.ms_at(mb)
-                            : plan_step_cost(mb, global / mb, recompute_fraction(policy), stage);
-          plan_candidates_.push_back(c);
+        for (const bool offload : offloads) {
+          for (int stage : stages) {
+            // Offload needs a sharded optimizer (stage >= 1); in one process, a group of one at stage 1.
+            if (offload && stage == 0) {
+              if (world_.world_size > 1) continue;
+              stage = 1;
+            }
+            auto in = estimate_inputs(world_.world_size);
+            in.micro_batch = mb, in.accum_steps = global / mb, in.stage = stage, in.budget_bytes = -1;
+            in.offload = offload;
+            in.probe = pr;
+            // The later micro-batches of one process find the gradients resident; what their backward adds is
+            // taken as the first micro-batch's (gradients born included): an over-estimate by at most the
+            // gradient bytes, which spares a second probe per setting. (A one-process offload candidate drops
+            // its gradients per bucket: the kept-gradient probe over-estimates it the same way.)
+            if (!sharded) in.probe_dropped = pr;
+            PlanCandidate c{.micro_batch = mb, .accum_steps = global / mb, .recompute = policy, .head = head, .stage = stage,
+                            .offload = offload, .estimate = estimate_memory(in)};
+            const int64_t part = (in.root_elements + std::accumulate(in.block_elements.begin(), in.block_elements.end(),
+                                                                     int64_t{0})) / world_.world_size;
+            c.step_ms = timed ? static_cast<double>(global / mb) * pr.ms_at(mb) +
+                                    (offload && !configured_offload
+                                         ? offload_step_ms(part, in.master_weights ? 4 : in.param_bytes, in.param_bytes, cpu_update_ns)
+                                         : 0.0)
+                              : plan_step_cost(mb, global / mb, recompute_fraction(policy), stage, 0.1,
+                                               offload && !configured_offload);
+            plan_candidates_.push_back(c);
+          }
         }
       }
     }
@@ -204,6 +227,7 @@ void Trainer::plan_to_budget() {
   data_->set_accum_steps(t.accum_steps);
   m.recompute = plan.chosen.recompute, m.head = plan.chosen.head;
   config_.dist.zero_stage = plan.chosen.stage;
+  config_.dist.offload_optimizer = plan.chosen.offload ? "cpu" : "none";
 }
 
 void Trainer::correct_plan(int64_t measured_peak) {
@@ -217,7 +241,8 @@ void Trainer::correct_plan(int64_t measured_peak) {
                            : 1.0;
   std::vector<PlanCandidate> same_stage;
   for (auto c : plan_candidates_) {
-    if (c.stage != config_.dist.zero_stage) continue;
+    // The buckets exist: the stage and offload chosen stay.
+    if (c.stage != config_.dist.zero_stage || c.offload != (config_.dist.offload_optimizer == "cpu")) continue;
     c.estimate.device.activations = static_cast<int64_t>(static_cast<double>(c.estimate.device.activations) * scale);
     same_stage.push_back(c);
   }

@@ -86,7 +86,8 @@ def run_memtrain(a, world, extra, work, name, s=SHAPE, limit_mib=0):
         ranks.append(dict(peak_allocated=max(m["peak_allocated"] for m in mem), optimizer_state=last["optimizer_state"],
                           gathered_peak=max((x.get("gathered_peak_bytes", 0) for x in metrics), default=0),
                           data=last["data"],
-                          params=last["params"], grads=last["grads"],
+                          params=last["params"], grads=last["grads_at_optimizer"],
+                          at_peak=max(mem, key=lambda m: m["peak_allocated"]).get("at_peak"),
                           peak_rss=int(open(os.path.join(run_dir, f"rss.rank{r}")).read())))
     times = [m["ms_per_step"] for m in metrics]
     r = dict(ms=statistics.median(times[s["warmup"]:]), times=times, comm_bytes=metrics[-1]["comm_bytes"], ranks=ranks)
@@ -161,7 +162,8 @@ def main():
     for world in WORLDS:
         p1, p2 = (max(x["peak_allocated"] for x in best[(world, f"memtrain stage {st}")]["ranks"]) for st in (1, 2))
         g1, g2 = (max(x["grads"] for x in best[(world, f"memtrain stage {st}")]["ranks"]) for st in (1, 2))
-        lines += ["", f"N = {world}: stage 2 holds {mib(g2)} of gradients between steps against stage 1's {mib(g1)}; "
+        lines += ["", f"N = {world}: stage 2 holds {mib(g2)} of gradients when the update begins (none between steps) "
+                  f"against stage 1's {mib(g1)} (all along); "
                   f"its step peak is {mib(p1 - p2)} below stage 1's ({mib(p2)} vs {mib(p1)}): a bucket's full-size "
                   f"gradient exists only from its first parameter's gradient to its reduce-scatter "
                   f"(dist.bucket_mib = {BUCKET_MIB}, so a few buckets are alive at a time, not the whole gradient)."]
@@ -175,8 +177,12 @@ def main():
                   f"1 + dist.prefetch blocks), and its step peak is {mib(p3)} against stage 2's {mib(p2)}; without the "
                   f"{mib(max(x['data'] for x in three['ranks']))} of the text dataset memtrain's tally includes, "
                   f"{mib(p3 - max(x['data'] for x in three['ranks']))} against FSDP2's "
-                  f"{mib(max(x['tensor_peak'] for x in fsdp['ranks']))}. Its step time is {three['ms'] / fsdp['ms']:.2f}x "
-                  f"FSDP2's and {three['ms'] / z0['ms']:.2f}x stage 0's."]
+                  f"{mib(max(x['tensor_peak'] for x in fsdp['ranks']))} "
+                  f"({(p3 - max(x['data'] for x in three['ranks'])) / max(x['tensor_peak'] for x in fsdp['ranks']):.3f}x). "
+                  f"At that peak rank 0 held {mib(three['ranks'][0]['at_peak']['gathered'])} of gathered parameters, "
+                  f"{mib(three['ranks'][0]['at_peak']['gradients'])} of gradients and "
+                  f"{mib(three['ranks'][0]['at_peak']['activations'])} of activations (memory.rank0.jsonl `at_peak`). "
+                  f"Its step time is {three['ms'] / fsdp['ms']:.2f}x FSDP2's and {three['ms'] / z0['ms']:.2f}x stage 0's."]
 
     # A model that does not fit the limit in stages 0-2.
     b = BIG
@@ -229,9 +235,10 @@ def main():
               "exp_avg_sq, step). Max over ranks. *vs 1/N*: that over (8 bytes x parameters) / N. "
               "ZeroRedundancyOptimizer gives whole parameters to ranks, so its parts are unequal; memtrain cuts flat "
               "buckets into equal parts.",
-              "- **grads / rank**: memtrain: `grads` (full-size gradient buckets while held, plus the reduced part "
-              "the optimizer steps); PyTorch: the `.grad` tensors (DDP also keeps a flat bucket copy of them, not "
-              "counted).",
+              "- **grads / rank**: memtrain: `grads_at_optimizer` (the gradient bytes held when the update begins: "
+              "stages 0-1 the full-size buckets, plus stage 1's reduced part; stages 2-3 the reduced part only, which "
+              "the update then frees); PyTorch: the `.grad` tensors after the step (DDP also keeps a flat bucket copy "
+              "of them, not counted).",
               "- **comm / step**: the buffer size of every collective in the last step on rank 0 (an all-reduce "
               "counts its buffer; a reduce-scatter its input; an all-gather its output; a broadcast its tensor): "
               "memtrain's `comm_bytes`; PyTorch: DDP's all-reduce comm hook (the default hook, wrapped to count) and "

@@ -48,6 +48,30 @@ TEST(Planner, TheStepCostModelOrdersTheKnobs) {
   EXPECT_DOUBLE_EQ(recompute_fraction("attn") + recompute_fraction("mlp"), 1.0);
 }
 
+// Offload's price: the CPU update of this rank's part plus its gradient down and parameters up, by arithmetic.
+TEST(Planner, OffloadIsPricedByItsCpuUpdateAndCopiesAndChosenOnlyWhereItIsNeeded) {
+  // 1e8 elements: 2 ns each on the CPU is 200 ms; 8 bytes each over 25 GB/s is 32 ms.
+  EXPECT_NEAR(offload_step_ms(100'000'000, 4, 4, 2.0, 25e9), 200.0 + 32.0, 1e-9);
+  EXPECT_NEAR(offload_step_ms(100'000'000, 4, 2, 2.0, 25e9), 200.0 + 24.0, 1e-9);  // bf16 parameters go up
+  const double ns = time_cpu_update();  // ATen's fused AdamW here: a real, finite cost per element
+  EXPECT_GT(ns, 0.0);
+  EXPECT_LT(ns, 1000.0);
+  // Untimed (several ranks): offload costs more than the same setting without it, so it is chosen only when
+  // nothing else fits.
+  EXPECT_GT(plan_step_cost(16, 1, 0, 2, 0.1, true), plan_step_cost(4, 4, 1.0, 3, 0.1, false));
+  auto candidate = [](int stage, bool offload, int64_t peak_mib, double ms) {
+    PlanCandidate c;
+    c.stage = stage, c.offload = offload, c.step_ms = ms;
+    c.estimate.device.params = peak_mib << 20;
+    return c;
+  };
+  const std::vector<PlanCandidate> c = {candidate(3, false, 60, 100), candidate(3, true, 30, 180)};
+  EXPECT_FALSE(choose_plan(c, 80ll << 20).chosen.offload);
+  const auto tight = choose_plan(c, 40ll << 20);
+  EXPECT_TRUE(tight.chosen.offload);
+  EXPECT_NE(tight.explain().find("stage 3 + offload"), std::string::npos) << tight.explain();
+}
+
 Config planner_config() {
   auto c = test::tiny_gpt_config(4);
   // The Austen text: its global batch is drawn once per step, so any micro-batch split sees the same samples.

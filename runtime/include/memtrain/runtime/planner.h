@@ -21,6 +21,7 @@ struct PlanCandidate {
   std::string recompute = "none";  // memory.recompute
   std::string head = "plain";      // memory.head
   int stage = 0;                   // dist.zero_stage (several ranks)
+  bool offload = false;            // dist.offload_optimizer = cpu (considered on CUDA, where it frees the device)
   MemoryEstimate estimate;
   double step_ms = 0;              // predicted step time (the time model: plan_step_ms or the probe's timings)
   std::string describe() const;    // "micro-batch 8 x 2, recompute all, head fused, stage 2"
@@ -45,9 +46,19 @@ Plan choose_plan(std::vector<PlanCandidate> candidates, int64_t budget_bytes);
 // cost of a step of `accum_steps` micro-batches of `micro_batch` samples, each micro-batch costing one
 // sample's worth of fixed overhead; recomputation adds its share of the forward (a third of forward +
 // backward) and stage 3 gathers the parameters twice more than stages 0-2 move gradients (half again as
-// many bytes: at `comm_share` of a stage-0 step spent communicating).
+// many bytes: at `comm_share` of a stage-0 step spent communicating). Offload, whose CPU update cannot be
+// priced without timing, doubles the cost: it is chosen only where nothing without it fits.
 double plan_step_cost(int64_t micro_batch, int64_t accum_steps, double recompute_fraction, int stage,
-                      double comm_share = 0.1);
+                      double comm_share = 0.1, bool offload = false);
+
+// The cost offload adds to a step, in milliseconds: the CPU update of `stepped_elements` (this rank's part) at
+// `cpu_update_ns_per_element` (timed on this machine by time_cpu_update), and its gradient copied down and
+// parameters copied up over the host link (`link_bytes_per_s`; an assumption, not measured: 25 GB/s, about
+// what pinned copies reach on PCIe 4/5 x16). Its moments and masters never cross.
+double offload_step_ms(int64_t stepped_elements, int64_t grad_bytes_per_element, int64_t param_bytes_per_element,
+                       double cpu_update_ns_per_element, double link_bytes_per_s = 25e9);
+// ATen's fused AdamW on the CPU, timed: nanoseconds per fp32 element (fastest of a few steps of 2^20).
+double time_cpu_update();
 
 // The share of the blocks' forward that a recompute policy runs again: none 0, all 1, every:K 1/K,
 // attn 1/3 and mlp 2/3 (a GPT block's attention and MLP matrices are 4 d^2 and 8 d^2 per token).
