@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
-"""memory.png of a run folder: per rank, the memory of every step, the resident breakdown stacked
-(parameters, gradients, optimizer state, data) with the step's activation peak on top, the peak as a line,
-and the estimate (summary.json, made before step 1) and the memory limit as horizontal lines.
+"""memory.png of a run folder: per rank, the memory of every step's peak, stacked: what was resident when the
+step began (parameters, optimizer state, data, and the rest: resident gradients and anything else), then what
+the step added by its peak, taken apart where the tracker could (CPU runs' `at_peak`: gradients born in the
+step, the fused head's saved gradients, ZeRO-3's gathered parameters, activations and temporaries; elsewhere
+one "step's activation peak"); the peak as a line, and the estimate (summary.json, made before step 1) and
+the memory limit as horizontal lines.
 
   venv/bin/python scripts/plot_memory.py runs/gpt_austen_cpu        # writes runs/gpt_austen_cpu/memory.png
 
@@ -16,7 +19,26 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 MIB = 2**20
-STACK = [("params", "parameters"), ("grads", "gradients"), ("optimizer_state", "optimizer state"), ("data", "data")]
+# Resident at the step's start (the fields are the step end's, the same but in the first step), then the rest of
+# start_allocated; then what the step added, from at_peak.
+RESIDENT = [("params", "parameters"), ("optimizer_state", "optimizer state"), ("data", "data")]
+AT_PEAK = [("gradients_born", "gradients born in the step"), ("head_saved", "fused head's saved gradients"),
+           ("gathered", "gathered parameters (ZeRO-3)"), ("activations", "activations and temporaries")]
+
+
+def layers(row):
+    """(label, MiB) from the bottom up; they sum to the step's peak."""
+    start = row["start_allocated"]
+    resident = {k: row.get(k, 0) for k, _ in RESIDENT}
+    # Step 1 creates the optimizer state: at its start only what start_allocated holds was there.
+    resident["optimizer_state"] = min(resident["optimizer_state"], max(0, start - resident["params"] - resident["data"]))
+    out = [(label, resident[key] / MIB) for key, label in RESIDENT]
+    out.append(("other resident (gradients, buffers)", max(0, start - sum(resident.values())) / MIB))
+    if "at_peak" in row:
+        out += [(label, row["at_peak"].get(key, 0) / MIB) for key, label in AT_PEAK]
+    else:
+        out.append(("step's activation peak", row["activation_peak"] / MIB))
+    return out
 
 
 def load(run):
@@ -55,14 +77,14 @@ def main(argv):
     for ax, (rank, rows) in zip(axes[:, 0], sorted(ranks.items())):
         steps = [r["step"] for r in rows]
         bottom = [0.0] * len(rows)
-        for key, label in STACK:
-            values = [r.get(key, 0) / MIB for r in rows]
+        stacks = [layers(r) for r in rows]
+        for i, (label, _) in enumerate(stacks[0]):
+            values = [st[i][1] if i < len(st) else 0.0 for st in stacks]
+            if not any(values):
+                continue
             ax.fill_between(steps, bottom, [b + v for b, v in zip(bottom, values)], step="mid", label=label, alpha=0.8)
             bottom = [b + v for b, v in zip(bottom, values)]
-        # The step's own peak above what was resident at its start (activations, gradients born in backward).
         tops = [r["peak_allocated"] / MIB for r in rows]
-        ax.fill_between(steps, bottom, [max(b, t) for b, t in zip(bottom, tops)], step="mid", label="step's activation peak",
-                        alpha=0.35, color="grey")
         ax.plot(steps, tops, drawstyle="steps-mid", color="black", linewidth=1, label="peak allocated")
         if estimate:
             ax.axhline(estimate / MIB, color="tab:red", linestyle="--", linewidth=1, label="estimate (before step 1)")

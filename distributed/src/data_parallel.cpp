@@ -405,12 +405,21 @@ void DataParallel::group_broadcast(torch::Tensor& t, int root) {
 
 void DataParallel::all_reduce_found_inf(torch::Tensor& found_inf) { group_->all_reduce_max(found_inf); }
 
-void DataParallel::after_optimizer_step() {
+void DataParallel::after_optimizer_step(const StepBucket& step_bucket) {
   torch::NoGradGuard no_grad;
   const int64_t rank = group_->rank();
   std::vector<PendingCollective> gathers;
   std::vector<torch::Tensor> inputs;  // kept alive until the gathers finish
+  std::vector<torch::Tensor> stepped;
   for (auto& b : buckets_) {
+    // Offload, bucket by bucket: this bucket's update on the CPU, then its copy up (asynchronous from pinned
+    // memory) and all-gather (stages 1-2) run while the CPU updates the next bucket (DeepSpeed's CPU Adam does
+    // the same tile by tile).
+    if (step_bucket) {
+      stepped.clear();
+      for (auto& [seg, from] : b->segments) stepped.push_back(seg);
+      if (!stepped.empty()) step_bucket(stepped);
+    }
     // Stage 3: the part only; the next forward gathers it.
     auto mine = options_.stage == 3 ? b->part : options_.stage > 0 ? part(b->flat, rank, b->shard) : b->flat;
     if (b->stepped_is_copy) mine.copy_(b->stepped, /*non_blocking=*/b->stepped.is_pinned());  // fp32 -> bf16, rounded once per step

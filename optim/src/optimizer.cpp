@@ -58,7 +58,15 @@ FusedAdamW::FusedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, to
   MEMTRAIN_CHECK(!defaults.amsgrad(), Error, "[optim] FusedAdamW does not implement amsgrad");
 }
 
-torch::Tensor FusedAdamW::step(LossClosure closure) {
+torch::Tensor FusedAdamW::step(LossClosure closure) { return update(closure, nullptr); }
+
+void FusedAdamW::step_only(const std::vector<torch::Tensor>& params) {
+  std::set<const void*> only;
+  for (const auto& p : params) only.insert(p.unsafeGetTensorImpl());
+  update(nullptr, &only);
+}
+
+torch::Tensor FusedAdamW::update(const LossClosure& closure, const std::set<const void*>* only) {
   torch::NoGradGuard no_grad;
   torch::Tensor loss;
   if (closure) {
@@ -75,7 +83,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
     // One fused call per (device, dtype): the kernel takes lists of same-device, same-dtype tensors.
     std::map<std::string, size_t> by_kind;
     for (auto& p : group.params()) {
-      if (!p.grad().defined()) continue;
+      if (!p.grad().defined() || (only && !only->count(p.unsafeGetTensorImpl()))) continue;
       auto state_key = p.unsafeGetTensorImpl();
       auto it = state_.find(state_key);
       if (it == state_.end()) {

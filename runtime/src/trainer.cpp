@@ -529,6 +529,7 @@ StepResult Trainer::attempt_step() {
     r.nonfinite = !finite.item<bool>();
   }
   // 4. Optimizer step (skipped by the scaler on inf/NaN gradients).
+  bool updated_in_place = false;  // offload: the update ran with the copies back, bucket by bucket
   if (r.nonfinite) {
     r.applied = false;
     ++nonfinite_run_;
@@ -552,7 +553,15 @@ StepResult Trainer::attempt_step() {
   } else {
     nonfinite_run_ = 0;
     in_optimizer_ = true;
-    optimizer_->step();
+    // Offload with the fused AdamW: the CPU update runs bucket by bucket inside after_optimizer_step, each
+    // bucket's copy up and gather overlapping the next bucket's update.
+    auto* fused = dp_ && dp_->offload() ? dynamic_cast<FusedAdamW*>(optimizer_.get()) : nullptr;
+    if (fused) {
+      dp_->after_optimizer_step([fused](const std::vector<torch::Tensor>& stepped) { fused->step_only(stepped); });
+      updated_in_place = true;
+    } else {
+      optimizer_->step();
+    }
   }
   in_optimizer_ = false;
   if (r.applied && !master_.empty()) {
@@ -560,7 +569,7 @@ StepResult Trainer::attempt_step() {
     torch::_foreach_copy_(params_, master_);  // fp32 -> bf16, rounded once per step
   }
   if (dp_) {
-    if (r.applied) dp_->after_optimizer_step();  // masters -> parameters, and the updated parts all-gathered
+    if (r.applied && !updated_in_place) dp_->after_optimizer_step();  // masters -> parameters, parts all-gathered
     r.comm_bytes = dp_->take_bytes_communicated();
     r.gathered_peak_bytes = dp_->take_peak_gathered_bytes();
   }

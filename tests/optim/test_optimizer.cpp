@@ -69,5 +69,31 @@ TEST(MakeOptimizer, StateTensorsAreAdamMoments) {
   EXPECT_EQ(elems, 2 * (12 + 3));
 }
 
+// Offload updates bucket by bucket: stepping the parameters in parts must give the bits of one step().
+TEST(FusedAdamW, SteppingInPartsEqualsOneStepBitwise) {
+  torch::manual_seed(3);
+  auto make = [] {
+    std::vector<torch::Tensor> p = {torch::randn({7, 5}), torch::randn({5}), torch::randn({300})};
+    for (auto& t : p) t.requires_grad_();
+    return p;
+  };
+  auto whole = make(), parts = make();
+  for (size_t i = 0; i < whole.size(); ++i) parts[i].data().copy_(whole[i].data());
+  auto options = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+  FusedAdamW a({torch::optim::OptimizerParamGroup(whole)}, options), b({torch::optim::OptimizerParamGroup(parts)}, options);
+  for (int step = 0; step < 3; ++step) {
+    for (size_t i = 0; i < whole.size(); ++i) {
+      auto g = torch::randn(whole[i].sizes());
+      whole[i].mutable_grad() = g.clone();
+      parts[i].mutable_grad() = g.clone();
+    }
+    a.step();
+    b.step_only({parts[2]});
+    b.step_only({parts[0], parts[1]});
+    for (size_t i = 0; i < whole.size(); ++i) EXPECT_TRUE(torch::equal(whole[i], parts[i])) << "step " << step << ", tensor " << i;
+  }
+  EXPECT_TRUE(torch::equal(a.step_count(whole[0]), b.step_count(parts[0])));
+}
+
 }  // namespace
 }  // namespace memtrain

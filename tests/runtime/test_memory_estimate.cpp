@@ -334,6 +334,30 @@ TEST(Reports, BlockSpansWithRecomputeAndOnTwoRanksInStageThree) {
       EXPECT_EQ(spans["block " + std::to_string(b) + " forward"], steps * micro + 1) << b;
       EXPECT_EQ(spans["block " + std::to_string(b) + " backward"], steps * micro) << b;
     }
+    if (launch.empty()) continue;
+    // Every collective an async span, begun and ended once. Each unit here is one bucket (a 64-wide block is
+    // 0.2 MB, the buckets 25 MiB), so a training step gathers the root and every block for the forward and every
+    // block again for the backward (2 L + 1 all-gathers) and reduce-scatters every unit once (L + 1). The last
+    // step is left out: the final evaluation's gathers carry its number.
+    std::map<int64_t, int64_t> begun;  // id -> ts
+    std::map<std::pair<int64_t, std::string>, int> per_step;
+    for (const auto& e : trace["traceEvents"]) {
+      if (e.value("cat", "") != "collective") continue;
+      const auto id = e["id"].get<int64_t>();
+      if (e["ph"] == "b") {
+        EXPECT_TRUE(begun.emplace(id, e["ts"].get<int64_t>()).second) << e;
+        EXPECT_GT(e["args"]["bytes"].get<int64_t>(), 0) << e;
+        ++per_step[{e["args"]["step"].get<int64_t>(), e["name"].get<std::string>()}];
+      } else {
+        ASSERT_EQ(e["ph"], "e") << e;
+        ASSERT_TRUE(begun.count(id)) << e;
+        EXPECT_GE(e["ts"].get<int64_t>(), begun[id]) << e;
+      }
+    }
+    for (int64_t step = 1; step < steps; ++step) {
+      EXPECT_EQ((per_step[{step, "all-gather"}]), 2 * layers + 1) << "step " << step;
+      EXPECT_EQ((per_step[{step, "reduce-scatter"}]), layers + 1) << "step " << step;
+    }
   }
 }
 

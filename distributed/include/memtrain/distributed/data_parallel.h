@@ -41,6 +41,7 @@
 
 #include <torch/types.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -108,7 +109,12 @@ class DataParallel {
   torch::Tensor clip_grad_norm(double max_norm);
   // fp16: found-inf of this rank's gradients MAX-reduced over ranks (in place).
   void all_reduce_found_inf(torch::Tensor& found_inf);
-  void after_optimizer_step();                 // masters -> parameters; all-gather the updated parts
+  // Masters -> parameters; all-gather the updated parts. With `step_bucket` (offload) the update itself runs
+  // here, one bucket's stepped tensors at a time, each bucket's copy up and gather started before the next
+  // bucket's update.
+  using StepBucket = std::function<void(const std::vector<torch::Tensor>& stepped)>;
+  void after_optimizer_step(const StepBucket& step_bucket = {});
+  bool offload() const { return options_.offload; }
 
   // Stage 3 (no-ops otherwise). begin_forward() before a forward: gathers the root unit (and prefetches
   // the first blocks). Around block i: before_block(i) gathers it (and prefetches the next), after_block(i)

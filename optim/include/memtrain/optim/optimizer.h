@@ -12,6 +12,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <vector>
@@ -40,12 +41,17 @@ class FusedAdamW : public torch::optim::Optimizer {
   // All missing state is allocated before any parameter is updated: an out-of-memory error in step()
   // leaves every parameter and moment as it was.
   torch::Tensor step(LossClosure closure = nullptr) override;
+  // Steps only `params` (some of this optimizer's), exactly as step() would step them: the kernel is
+  // element-wise and each parameter keeps its own step count, so stepping the parameters in parts, one
+  // after another, gives the same bits as one step() (offload's update, bucket by bucket).
+  void step_only(const std::vector<torch::Tensor>& params);
 
   // The () fp32 step count the kernel reads for `param`; undefined before its first step.
   torch::Tensor step_count(const torch::Tensor& param) const;
   void set_step_count(const torch::Tensor& param, double count);
 
  private:
+  torch::Tensor update(const LossClosure& closure, const std::set<const void*>* only);
   std::map<const void*, torch::Tensor> steps_;  // per parameter: () fp32 step count
 };
 
