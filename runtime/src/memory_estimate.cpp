@@ -53,13 +53,11 @@ MemoryEstimate estimate_memory(const EstimateInputs& in) {
   } else {
     dev.params = (in.stage == 3 ? part : p) * pb;
     // Full-size gradient buckets stay allocated in stages 0 and 1 (views the backward accumulates into);
-    // stages 1-3 also hold this rank's reduced part, which offload moves beside the optimizer state. In
-    // stages 2-3 it exists only from the bucket's first reduction to the optimizer step: not at the
-    // activation peak (the backward's start), where only the buckets in flight are.
+    // stage 1 also holds this rank's reduced part (offload: beside the optimizer state). In stages 2-3 it
+    // exists only from the bucket's first reduction to the optimizer step: not at the activation peak (the
+    // backward's start), where only the buckets in flight are.
     if (in.stage <= 1) dev.grads = p * pb;
-    const int64_t reduced = in.stage == 0 ? (in.master_weights ? 4 * p : 0)
-                            : in.stage >= 2 && !in.offload ? 0
-                                                           : part * reduced_bytes;
+    const int64_t reduced = in.stage == 0 ? (in.master_weights ? 4 * p : 0) : in.stage >= 2 ? 0 : part * reduced_bytes;
     int64_t state = in.state_bytes * stepped;
     if (in.master_weights) state += 4 * stepped;
     if (in.offload) {

@@ -59,7 +59,9 @@ TEST(MemoryEstimate, ModelStatesFollowTheZeroStages) {
   const auto o = estimate_memory(in);
   EXPECT_EQ(o.device.optimizer_state, 0);
   EXPECT_EQ(o.device.grads, 0);
-  EXPECT_EQ(o.host.optimizer_state, 12 * p / n + 4 * p / n);  // masters + moments + the reduced gradient
+  EXPECT_EQ(o.host.optimizer_state, 12 * p / n);  // masters + moments (the stage-2 reduced part: not at the peak)
+  in.stage = 1;
+  EXPECT_EQ(estimate_memory(in).host.optimizer_state, 12 * p / n + 4 * p / n);  // stage 1 keeps its reduced part
 
   // One process: every parameter, its moments; gradients are born in backward (in the probe's bytes).
   EstimateInputs one;
