@@ -3,8 +3,8 @@
 step began (parameters, optimizer state, data, and the rest: resident gradients and anything else), then what
 the step added by its peak, taken apart where the tracker could (CPU runs' `at_peak`: gradients born in the
 step, the fused head's saved gradients, ZeRO-3's gathered parameters, activations and temporaries; elsewhere
-one "step's activation peak"); the peak as a line, and the estimate (summary.json, made before step 1) and
-the memory limit as horizontal lines.
+one "step's activation peak"); the peak as a line, and the estimate (summary.json, made before step 1), the
+planner's budget (memory.budget_mib) and the memory limit as horizontal lines.
 
   venv/bin/python scripts/plot_memory.py runs/gpt_austen_cpu        # writes runs/gpt_austen_cpu/memory.png
 
@@ -53,7 +53,7 @@ def load(run):
     summary = {}
     if os.path.exists(os.path.join(run, "summary.json")):
         summary = json.load(open(os.path.join(run, "summary.json")))
-    limit = None
+    limit = budget = None
     cfg = os.path.join(run, "config.ini")
     if os.path.exists(cfg):
         section = ""
@@ -61,17 +61,20 @@ def load(run):
             line = line.strip()
             if line.startswith("["):
                 section = line.strip("[]")
-            elif section == "memory" and line.replace(" ", "").startswith("limit_mib="):
-                value = float(line.split("=", 1)[1])
-                limit = value * MIB if value > 0 else None
-    return ranks, summary, limit
+            elif section == "memory" and "=" in line:
+                key, value = (x.strip() for x in line.split("=", 1))
+                if key == "limit_mib" and float(value) > 0:
+                    limit = float(value) * MIB
+                elif key == "budget_mib" and value not in ("", "0", "auto"):  # auto: the machine's, not saved
+                    budget = float(value) * MIB
+    return ranks, summary, limit, budget
 
 
 def main(argv):
     if len(argv) != 2:
         raise SystemExit(__doc__)
     run = argv[1]
-    ranks, summary, limit = load(run)
+    ranks, summary, limit, budget = load(run)
     fig, axes = plt.subplots(len(ranks), 1, figsize=(9, 3.2 * len(ranks)), squeeze=False, sharex=True)
     estimate = summary.get("memory_estimate", {}).get("device", {}).get("peak")
     for ax, (rank, rows) in zip(axes[:, 0], sorted(ranks.items())):
@@ -90,6 +93,8 @@ def main(argv):
             ax.axhline(estimate / MIB, color="tab:red", linestyle="--", linewidth=1, label="estimate (before step 1)")
         if limit:
             ax.axhline(limit / MIB, color="tab:purple", linestyle=":", linewidth=1.5, label="memory.limit_mib")
+        if budget:
+            ax.axhline(budget / MIB, color="tab:green", linestyle="-.", linewidth=1.5, label="memory.budget_mib (the plan's budget)")
         phases = sorted({r["peak_phase"] for r in rows})
         ax.set_title(f"rank {rank}, {rows[0]['device']}: peak in {', '.join(phases)}", fontsize=9)
         ax.set_ylabel("MiB")

@@ -130,8 +130,8 @@ std::vector<Entry> entries(Config& c) {
       entry("memory.budget_mib", &mem.budget_mib,
             "plan to a memory budget per rank: MiB | auto (the device's free memory, on CPU the machine's available "
             "memory, less 10%) | 0 (off). The planner keeps the global batch and chooses train.micro_batch / "
-            "accum_steps, memory.recompute, memory.head and (several ranks) dist.zero_stage: the fastest whose "
-            "estimate fits"),
+            "accum_steps, memory.recompute, memory.head, (several ranks) dist.zero_stage and (CUDA) "
+            "dist.offload_optimizer: the fastest whose estimate fits"),
       entry("memory.snapshot", &mem.snapshot,
             "CUDA: record the caching allocator's history and write memory_snapshot.rank<N>.pickle at the end, for "
             "python -m torch.cuda._memory_viz trace_plot FILE -o memory_viz.html"),

@@ -54,7 +54,8 @@ void count_free(void* data) {
     auto it = blocks().find(data);
     if (it != blocks().end()) {
       ++g_event;
-      if (it->second.marked >= 0) freed_marked().push_back({it->second, g_event});
+      // Born after the peak: it can be alive at no peak to come (they come after this free).
+      if (it->second.marked >= 0 && it->second.born <= g_peak_event) freed_marked().push_back({it->second, g_event});
       g_current.fetch_sub(static_cast<int64_t>(it->second.bytes), std::memory_order_relaxed);
       blocks().erase(it);
     }
@@ -81,6 +82,7 @@ class CountingCpuAllocator final : public c10::Allocator {
       if (now > g_peak.load(std::memory_order_relaxed)) {
         g_peak.store(now, std::memory_order_relaxed);
         g_peak_event = g_event;
+        freed_marked().clear();  // all died before this new peak
       }
     }
     g_allocations.fetch_add(1, std::memory_order_relaxed);

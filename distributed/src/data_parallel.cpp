@@ -186,6 +186,7 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
     attach_reduced(b);
   }
   bytes_uncounted_ = group_->bytes_communicated();  // the initial broadcast is not a training step's traffic
+  backward_prefetched_.assign(unit_buckets_.size(), false);  // a backward outside a micro-batch (a probe) uses it too
 
   // 3. A post-hook on each parameter's gradient accumulator: "this gradient is complete".
   for (size_t k = 0; k < buckets_.size(); ++k) {
@@ -534,7 +535,7 @@ void DataParallel::prefetch_backward(int64_t unit) {
   // and full gradient freed), not at its backward's start: the backward's start is where the activations
   // peak, and a block gathered there adds to that peak (FSDP2 on Gloo holds one less there). The gather still
   // overlaps the rest of the block's backward; a block of one bucket prefetches at its start instead.
-  if (unit >= num_units() - 1 || backward_prefetched_[static_cast<size_t>(unit)]) return;  // the root: nothing before it
+  if (unit < 0 || unit >= num_units() - 1 || backward_prefetched_[static_cast<size_t>(unit)]) return;  // root: nothing before it
   backward_prefetched_[static_cast<size_t>(unit)] = true;
   // The reductions in flight end first, so their full gradients are gone before the gathered block comes.
   for (size_t k = 0; k < next_to_launch_; ++k) finish(*buckets_[k]);
@@ -575,6 +576,7 @@ std::map<std::string, torch::Tensor> DataParallel::full_parameters(bool keep) {
 void DataParallel::release_all() {
   if (options_.stage != 3) return;
   for (auto& b : buckets_) release(*b);
+  backward_prefetched_.assign(unit_buckets_.size(), false);
 }
 
 void DataParallel::parameters_from_stepped() {

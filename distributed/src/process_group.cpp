@@ -25,11 +25,13 @@ PendingCollective::PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::s
     : work_(std::move(work)), what_(std::move(what)), rank_(rank) {}
 
 PendingCollective::PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank, int64_t bytes,
-                                     const CollectiveObserver* observer)
+                                     const CollectiveObserver* observer, bool completion_from_future)
     : work_(std::move(work)), what_(std::move(what)), rank_(rank), bytes_(bytes), observer_(observer),
       issued_(std::chrono::steady_clock::now()), completed_ns_(std::make_shared<std::atomic<int64_t>>(0)) {
-  // Gloo's and NCCL's works complete a future on their own thread; a backend without one (the base
-  // Work throws) is timed to the end of the wait instead.
+  // Gloo's works complete their future on Gloo's thread when the collective has run. NCCL's future
+  // completes when the kernel is queued, not run: NCCL collectives (observer_ set with completion_from_future
+  // false) are timed to the end of the wait instead, as is a backend without a future (the base Work throws).
+  if (!completion_from_future) return;
   try {
     work_->getFuture()->addCallback([done = completed_ns_](c10::ivalue::Future&) {
       done->store(std::chrono::steady_clock::now().time_since_epoch().count());
@@ -111,7 +113,7 @@ ProcessGroup::~ProcessGroup() = default;
 
 PendingCollective ProcessGroup::start(c10::intrusive_ptr<c10d::Work> work, const std::string& what, int64_t bytes) {
   bytes_ += bytes;
-  if (observer_) return PendingCollective(std::move(work), what, rank_, bytes, &observer_);
+  if (observer_) return PendingCollective(std::move(work), what, rank_, bytes, &observer_, backend_name_ == "gloo");
   return PendingCollective(std::move(work), what, rank_);
 }
 

@@ -57,7 +57,12 @@ MemoryEstimate estimate_memory(const EstimateInputs& in) {
     // exists only from the bucket's first reduction to the optimizer step: not at the activation peak (the
     // backward's start), where only the buckets in flight are.
     if (in.stage <= 1) dev.grads = p * pb;
-    const int64_t reduced = in.stage == 0 ? (in.master_weights ? 4 * p : 0) : in.stage >= 2 ? 0 : part * reduced_bytes;
+    // ... unless it is reduced after every micro-batch of several: then it is made in the first and held
+    // through the later ones' forwards.
+    const bool held_across = in.accum_steps > 1 && (in.stage == 3 || in.reduce_every_micro_batch);
+    const int64_t reduced = in.stage == 0                  ? (in.master_weights ? 4 * p : 0)
+                            : in.stage >= 2 && !held_across ? 0
+                                                            : part * reduced_bytes;
     int64_t state = in.state_bytes * stepped;
     if (in.master_weights) state += 4 * stepped;
     if (in.offload) {

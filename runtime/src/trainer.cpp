@@ -158,7 +158,9 @@ void Trainer::setup() {
   param_names_ = names;
   // Several ranks use the data-parallel engine and its sharded optimizer; so does one process whose
   // optimizer state is offloaded to host memory (a group of one: ZeRO-Offload on a single device).
-  // (A plan for memory.budget_mib may choose offload below: the one-process masters made here are dropped then.)
+  // A plan for memory.budget_mib (below) may turn offload on or off in one process: the masters are made
+  // whenever one process might need them (from the fp32 weights, before the bf16 cast), and dropped if not.
+  const bool planning = parse_budget_mib(config_.memory.budget_mib) != 0;
   bool sharded = world_.world_size > 1 || config_.dist.offload_optimizer == "cpu";
   torch::OrderedDict<std::string, torch::Tensor> masters;
   if (t.param_dtype == "bf16") {
@@ -166,7 +168,7 @@ void Trainer::setup() {
     // copied back after each step (the bf16 rounding of an update never accumulates).
     param_dtype_ = torch::kBFloat16;
     // Several ranks: DataParallel keeps the masters (for this rank's part only from ZeRO stage 1).
-    for (size_t i = 0; i < params_.size() && !sharded; ++i) {
+    for (size_t i = 0; i < params_.size() && (!sharded || (planning && world_.world_size == 1)); ++i) {
       master_.push_back(params_[i].detach().to(torch::kFloat, /*non_blocking=*/false, /*copy=*/true).requires_grad_());
       masters.insert(names[i], master_.back());
     }
@@ -207,7 +209,7 @@ void Trainer::setup() {
     }
   }
   // memory.budget_mib: the settings below (micro-batch, recompute, head, stage, offload) are the plan's.
-  if (parse_budget_mib(config_.memory.budget_mib) != 0) {
+  if (planning) {
     plan_to_budget();
     sharded = world_.world_size > 1 || config_.dist.offload_optimizer == "cpu";
     if (sharded) master_.clear(), masters.clear();  // one process, offload chosen: DataParallel keeps them

@@ -168,7 +168,7 @@ void Trainer::plan_to_budget() {
   // update timed here). On a CPU the host is the device: it would only add the copy, so it stays as set.
   const bool configured_offload = config_.dist.offload_optimizer == "cpu";
   std::vector<bool> offloads = {configured_offload};
-  if (device_.is_cuda()) offloads = {false, true};
+  if (device_.is_cuda() && t.precision != "fp16") offloads = {false, true};  // fp16's scaler: not with offload
   const double cpu_update_ns = device_.is_cuda() ? time_cpu_update() : 0;
 
   // One probe per (policy, head) at two small micro-batches; bytes and times extrapolate along their lines.
@@ -210,7 +210,7 @@ void Trainer::plan_to_budget() {
                                                                      int64_t{0})) / world_.world_size;
             c.step_ms = timed ? static_cast<double>(global / mb) * pr.ms_at(mb) +
                                     (offload && !configured_offload
-                                         ? offload_step_ms(part, in.master_weights ? 4 : in.param_bytes, in.param_bytes, cpu_update_ns)
+                                         ? offload_step_ms(part, in.param_bytes, in.param_bytes, cpu_update_ns)
                                          : 0.0)
                               : plan_step_cost(mb, global / mb, recompute_fraction(policy), stage, 0.1,
                                                offload && !configured_offload);
@@ -278,6 +278,7 @@ EstimateInputs Trainer::estimate_inputs(int world) const {
   in.prefetch = d.prefetch;
   in.micro_batch = config_.train.micro_batch;
   in.accum_steps = config_.train.accum_steps;
+  in.reduce_every_micro_batch = d.reduce == "micro_batch" || param_dtype_ != torch::kFloat;  // as DataParallel's setup
   if (policy_.budget_unresolved()) in.budget_bytes = static_cast<int64_t>(policy_.budget_mib * 1024 * 1024);
   const bool sharded = world > 1 || in.offload;
   in.probe = sharded ? probe_drop_ : probe_keep_;

@@ -45,6 +45,15 @@ TEST(MemoryEstimate, ModelStatesFollowTheZeroStages) {
   EXPECT_EQ(e.gathered, 4 * (200000 + 300000 + 200000));  // the root and the two largest blocks (prefetch 1)
   in.prefetch = 0;
   EXPECT_EQ(estimate_memory(in).device.gathered, 4 * (200000 + 300000));
+  // Reduced after each of several micro-batches (always in stage 3): the reduced part is made in the first
+  // and held through the later forwards.
+  in.accum_steps = 4;
+  EXPECT_EQ(estimate_memory(in).device.grads, 4 * p / n);
+  in.stage = 2;
+  EXPECT_EQ(estimate_memory(in).device.grads, 0);  // reduced after the last micro-batch only
+  in.reduce_every_micro_batch = true;
+  EXPECT_EQ(estimate_memory(in).device.grads, 4 * p / n);
+  in.accum_steps = 1, in.reduce_every_micro_batch = false, in.stage = 3;
 
   // bf16 parameters with fp32 masters, stage 2: 2 bytes of parameters, fp32 reduced part, 4 + 8 bytes of
   // masters and moments for this rank's part.

@@ -34,8 +34,8 @@ struct ProcessGroupOptions {
 };
 
 // Told of every collective once it has been waited for (on the waiting thread): what it was, its bytes,
-// when it was issued and when it completed (the backend's completion callback where it has one, else
-// the end of the wait). The trace's collective spans.
+// when it was issued and when it completed (Gloo: its completion callback; NCCL, whose future completes at
+// enqueue: the end of the wait). The trace's collective spans.
 using CollectiveObserver = std::function<void(const std::string& what, int64_t bytes,
                                               std::chrono::steady_clock::time_point issued,
                                               std::chrono::steady_clock::time_point completed)>;
@@ -45,9 +45,10 @@ class PendingCollective {
  public:
   PendingCollective() = default;
   PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank);
-  // With an observer: also its bytes and issue time; completion is taken from the work's future.
+  // With an observer: also its bytes and issue time; completion is taken from the work's future where that
+  // completes when the collective has run (Gloo), else from the end of the wait.
   PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank, int64_t bytes,
-                    const CollectiveObserver* observer);
+                    const CollectiveObserver* observer, bool completion_from_future);
   ~PendingCollective();
   PendingCollective(PendingCollective&&) noexcept;
   PendingCollective& operator=(PendingCollective&&) noexcept;

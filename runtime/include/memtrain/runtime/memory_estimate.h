@@ -53,6 +53,7 @@ struct EstimateInputs {
   ActivationProbe probe_dropped;
   int64_t micro_batch = 1;
   int64_t accum_steps = 1;
+  bool reduce_every_micro_batch = false;  // dist.reduce = micro_batch (or bf16 parameters; stage 3 always)
   int64_t budget_bytes = -1;          // memory.recompute = budget: the activations are held to it (no probe)
 };
 
