@@ -21,13 +21,12 @@ std::string what_of(const std::exception& e) {
 }
 }  // namespace
 
-PendingCollective::PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank)
-    : work_(std::move(work)), what_(std::move(what)), rank_(rank) {}
-
 PendingCollective::PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank, int64_t bytes,
                                      const CollectiveObserver* observer, bool completion_from_future)
-    : work_(std::move(work)), what_(std::move(what)), rank_(rank), bytes_(bytes), observer_(observer),
-      issued_(std::chrono::steady_clock::now()), completed_ns_(std::make_shared<std::atomic<int64_t>>(0)) {
+    : work_(std::move(work)), what_(std::move(what)), rank_(rank), bytes_(bytes), observer_(observer) {
+  if (!observer_) return;  // nothing to time
+  issued_ = std::chrono::steady_clock::now();
+  completed_ns_ = std::make_shared<std::atomic<int64_t>>(0);
   // Gloo's works complete their future on Gloo's thread when the collective has run. NCCL's future
   // completes when the kernel is queued, not run: NCCL collectives (observer_ set with completion_from_future
   // false) are timed to the end of the wait instead, as is a backend without a future (the base Work throws).
@@ -113,8 +112,7 @@ ProcessGroup::~ProcessGroup() = default;
 
 PendingCollective ProcessGroup::start(c10::intrusive_ptr<c10d::Work> work, const std::string& what, int64_t bytes) {
   bytes_ += bytes;
-  if (observer_) return PendingCollective(std::move(work), what, rank_, bytes, &observer_, backend_name_ == "gloo");
-  return PendingCollective(std::move(work), what, rank_);
+  return PendingCollective(std::move(work), what, rank_, bytes, observer_ ? &observer_ : nullptr, backend_name_ == "gloo");
 }
 
 PendingCollective ProcessGroup::all_reduce_sum_async(at::Tensor& tensor) {

@@ -161,7 +161,7 @@ void Trainer::setup() {
   // A plan for memory.budget_mib (below) may turn offload on or off in one process: the masters are made
   // whenever one process might need them (from the fp32 weights, before the bf16 cast), and dropped if not.
   const bool planning = parse_budget_mib(config_.memory.budget_mib) != 0;
-  bool sharded = world_.world_size > 1 || config_.dist.offload_optimizer == "cpu";
+  bool sharded = this->sharded(world_.world_size);
   torch::OrderedDict<std::string, torch::Tensor> masters;
   if (t.param_dtype == "bf16") {
     // bf16 parameters and gradients in the model; the optimizer steps fp32 master copies, which are
@@ -211,7 +211,7 @@ void Trainer::setup() {
   // memory.budget_mib: the settings below (micro-batch, recompute, head, stage, offload) are the plan's.
   if (planning) {
     plan_to_budget();
-    sharded = world_.world_size > 1 || config_.dist.offload_optimizer == "cpu";
+    sharded = this->sharded(world_.world_size);
     if (sharded) master_.clear(), masters.clear();  // one process, offload chosen: DataParallel keeps them
   }
   if (!sharded) optimizer_ = make_optimizer(optimizer_options(t), t.param_dtype == "bf16" ? masters : model_->named_parameters());
@@ -331,8 +331,8 @@ torch::Tensor Trainer::forward_loss(const Batch& batch) {
 
 void Trainer::mark_gradients() const {
   // The counting allocator takes the peak apart by marked blocks: the gradients this backward made (a
-  // parameter's .grad, or with several ranks the bucket it is a view of; DataParallel marks its own).
-  if (!device_.is_cpu() || !cpu_memory::installed()) return;
+  // parameter's .grad). With DataParallel the .grad are views of its buckets, which it marks itself.
+  if (dp_ || !device_.is_cpu() || !cpu_memory::installed()) return;
   for (const auto& p : params_)
     if (p.grad().defined()) cpu_memory::mark(p.grad().storage().data(), cpu_memory::Kind::kGradient);
 }

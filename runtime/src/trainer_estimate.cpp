@@ -148,7 +148,7 @@ void Trainer::plan_to_budget() {
   auto& t = config_.train;
   auto& m = config_.memory;
   plan_budget_ = budget_bytes();
-  const bool sharded = world_.world_size > 1 || config_.dist.offload_optimizer == "cpu";
+  const bool sharded = this->sharded(world_.world_size);
   MEMTRAIN_CHECK(device_.is_cuda() || cpu_memory::installed(), Error,
                  "[planner] memory.budget_mib on CPU needs memtrain::cpu_memory::install() at the start of main()");
   // The knobs: micro-batches dividing the global batch (largest first), recompute policies, heads, stages.
@@ -288,7 +288,7 @@ EstimateInputs Trainer::estimate_inputs(int world) const {
 
 void Trainer::make_estimate() {
   if (config_.memory.estimate && can_measure() && !policy_.budget_unresolved()) {
-    const bool sharded = world_.world_size > 1 || config_.dist.offload_optimizer == "cpu";
+    const bool sharded = this->sharded(world_.world_size);
     try {
       (sharded ? probe_drop_ : probe_keep_) = probe(/*keep_grads=*/!sharded);
       if (!sharded && config_.train.accum_steps > 1) probe_drop_ = probe(/*keep_grads=*/false);
@@ -303,7 +303,7 @@ void Trainer::make_estimate() {
 }
 
 EstimateInputs Trainer::estimate_inputs_for(int world) {
-  const bool sharded = world > 1 || config_.dist.offload_optimizer == "cpu";
+  const bool sharded = this->sharded(world);
   auto& probe_for = sharded ? probe_drop_ : probe_keep_;
   MEMTRAIN_CHECK(!dp_ || world == world_.world_size, Error,
                  "[memory] estimate_inputs_for(", world, "): a multi-process trainer estimates its own world only");

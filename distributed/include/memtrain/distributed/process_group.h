@@ -44,11 +44,10 @@ using CollectiveObserver = std::function<void(const std::string& what, int64_t b
 class PendingCollective {
  public:
   PendingCollective() = default;
-  PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank);
-  // With an observer: also its bytes and issue time; completion is taken from the work's future where that
-  // completes when the collective has run (Gloo), else from the end of the wait.
-  PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank, int64_t bytes,
-                    const CollectiveObserver* observer, bool completion_from_future);
+  // With an observer: also its bytes and issue time, reported after the wait; completion is taken from the
+  // work's future where that completes when the collective has run (Gloo), else from the end of the wait.
+  PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what, int rank, int64_t bytes = 0,
+                    const CollectiveObserver* observer = nullptr, bool completion_from_future = false);
   ~PendingCollective();
   PendingCollective(PendingCollective&&) noexcept;
   PendingCollective& operator=(PendingCollective&&) noexcept;

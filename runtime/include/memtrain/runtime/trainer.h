@@ -127,6 +127,9 @@ class Trainer {
   std::vector<ShardPiece> state_pieces() const;
   torch::Tensor forward_loss(const Batch& batch);
   Batch to_device(Batch batch) const;
+  // Several ranks, or one whose optimizer state is offloaded (a group of one), train through DataParallel and its
+  // sharded optimizer; `world` ranks under this config.
+  bool sharded(int world) const { return world > 1 || config_.dist.offload_optimizer == "cpu"; }
   void mark_gradients() const;   // this backward's gradient blocks, for the tracker's peak breakdown (CPU)
   void move_grads_to_masters();  // device, and floating inputs in the parameters' dtype
   void resolve_budget_policy();
