@@ -131,7 +131,10 @@ std::vector<Entry> entries(Config& c) {
             "plan to a memory budget per rank: MiB | auto (the device's free memory, on CPU the machine's available "
             "memory, less 10%) | 0 (off). The planner keeps the global batch and chooses train.micro_batch / "
             "accum_steps, memory.recompute, memory.head, (several ranks) dist.zero_stage and (CUDA) "
-            "dist.offload_optimizer: the fastest whose estimate fits"),
+            "dist.offload_optimizer: the fastest whose estimate fits the budget less memory.budget_headroom"),
+      entry("memory.budget_headroom", &mem.budget_headroom,
+            "the share of memory.budget_mib that a planned setting's estimate must leave free, for the estimate's "
+            "error (measured within 3.2% of the peak on CPU, docs/benchmarks/estimate_cpu.md): in [0, 0.5)"),
       entry("memory.snapshot", &mem.snapshot,
             "CUDA: record the caching allocator's history and write memory_snapshot.rank<N>.pickle at the end, for "
             "python -m torch.cuda._memory_viz trace_plot FILE -o memory_viz.html"),
@@ -516,6 +519,8 @@ void Config::validate() const {
   check_range("memory.gc_threshold", memory.gc_threshold, memory.gc_threshold >= 0 && memory.gc_threshold < 1,
               "in [0, 1) (0 = off)");
   check_one_of("memory.cuda_allocator", memory.cuda_allocator, choices::cuda_allocator);
+  check_range("memory.budget_headroom", memory.budget_headroom,
+              memory.budget_headroom >= 0 && memory.budget_headroom < 0.5, "in [0, 0.5)");
   {
     const auto& b = memory.budget_mib;
     const bool planning = parse_budget_mib(b) != 0;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <iomanip>
 #include <sstream>
 
@@ -79,12 +80,20 @@ std::string dominant(const MemoryParts& p) {
   o << best->first << " (" << format_bytes(best->second) << " of " << format_bytes(p.peak()) << ")";
   return o.str();
 }
+std::string share(double v) {  // 0.05, as the config reads it
+  std::ostringstream o;
+  o << v;
+  return o.str();
+}
 }  // namespace
 
-Plan choose_plan(std::vector<PlanCandidate> candidates, int64_t budget_bytes) {
+Plan choose_plan(std::vector<PlanCandidate> candidates, int64_t budget_bytes, double headroom) {
   MEMTRAIN_CHECK(!candidates.empty(), Error, "[planner] no candidate settings to choose from");
+  MEMTRAIN_CHECK(headroom >= 0 && headroom < 1, Error, "[planner] headroom ", headroom, " is outside [0, 1)");
   Plan plan;
   plan.budget_bytes = budget_bytes;
+  plan.headroom = headroom;
+  const auto usable = static_cast<int64_t>(static_cast<double>(budget_bytes) * (1 - headroom));
   plan.considered = static_cast<int64_t>(candidates.size());
   std::stable_sort(candidates.begin(), candidates.end(), [](const PlanCandidate& a, const PlanCandidate& b) {
     if (a.step_ms != b.step_ms) return a.step_ms < b.step_ms;
@@ -92,7 +101,7 @@ Plan choose_plan(std::vector<PlanCandidate> candidates, int64_t budget_bytes) {
   });
   std::vector<PlanCandidate> fit;
   for (const auto& c : candidates)
-    if (c.estimate.peak_device() <= budget_bytes) fit.push_back(c);
+    if (c.estimate.peak_device() <= usable) fit.push_back(c);
   if (fit.empty()) {
     const auto smallest = *std::min_element(candidates.begin(), candidates.end(), [](const auto& a, const auto& b) {
       return a.estimate.peak_device() < b.estimate.peak_device();
@@ -100,11 +109,12 @@ Plan choose_plan(std::vector<PlanCandidate> candidates, int64_t budget_bytes) {
     const double mib = static_cast<double>(smallest.estimate.peak_device()) / (1024.0 * 1024.0);
     std::ostringstream need;
     need << std::fixed << std::setprecision(1) << mib;
+    const auto feasible = static_cast<int64_t>(std::ceil(mib / (1 - headroom)));
     throw ConfigError("[planner] memory.budget_mib = " + std::to_string(budget_bytes / (1024 * 1024)) +
                       " cannot be met: the smallest estimated peak of " + std::to_string(plan.considered) +
                       " settings is " + need.str() + " MiB (" + smallest.describe() + "), dominated by " +
                       dominant(smallest.estimate.device) + "; the smallest feasible budget is memory.budget_mib = " +
-                      std::to_string(static_cast<int64_t>(mib) + 1) +
+                      std::to_string(feasible) + (headroom > 0 ? " (with memory.budget_headroom = " + share(headroom) + ")" : std::string()) +
                       " (or shard more: more ranks with dist.zero_stage = 3, dist.offload_optimizer = cpu on a GPU)");
   }
   plan.fitting = static_cast<int64_t>(fit.size());
@@ -120,8 +130,11 @@ std::string Plan::explain() const {
       << (timed ? "step " : "relative cost ") << std::fixed << std::setprecision(1) << c.step_ms
       << (timed ? " ms (from the probe's timings)\n" : " (untimed: several ranks must reach the same plan)\n");
   };
-  o << "plan for a budget of " << format_bytes(budget_bytes) << " per rank (memory.budget_mib; " << fitting << " of " << considered
-    << " settings fit; the fastest is chosen):\n";
+  o << "plan for a budget of " << format_bytes(budget_bytes) << " per rank (memory.budget_mib";
+  if (headroom > 0)
+    o << "; estimates up to " << format_bytes(static_cast<int64_t>(static_cast<double>(budget_bytes) * (1 - headroom)))
+      << ", memory.budget_headroom = " << share(headroom) << " kept for the estimate's error";
+  o << "; " << fitting << " of " << considered << " settings fit; the fastest is chosen):\n";
   line("chosen:    ", chosen);
   for (const auto& r : runners_up) line("runner-up: ", r);
   return o.str();

@@ -220,7 +220,7 @@ void Trainer::plan_to_budget() {
       }
     }
   }
-  auto plan = choose_plan(plan_candidates_, plan_budget_);
+  auto plan = choose_plan(plan_candidates_, plan_budget_, m.budget_headroom);
   plan.timed = timed;
   if (world_.is_main()) std::cout << plan.explain() << std::flush;
   t.micro_batch = plan.chosen.micro_batch, t.accum_steps = plan.chosen.accum_steps;
@@ -246,7 +246,7 @@ void Trainer::correct_plan(int64_t measured_peak) {
     c.estimate.device.activations = static_cast<int64_t>(static_cast<double>(c.estimate.device.activations) * scale);
     same_stage.push_back(c);
   }
-  auto plan = choose_plan(same_stage, plan_budget_);
+  auto plan = choose_plan(same_stage, plan_budget_, config_.memory.budget_headroom);
   plan.timed = world_.world_size == 1;
   if (world_.is_main())
     std::cout << "memory: step peak " << format_bytes(measured_peak) << " is over memory.budget_mib; activations were "

@@ -31,11 +31,25 @@ TEST(Planner, ChoosesTheFastestThatFits) {
   EXPECT_NE(p.explain().find("chosen:    micro-batch 4 x 4, recompute none"), std::string::npos) << p.explain();
 }
 
+// memory.budget_headroom: a plan's estimate must leave that share of the budget free (the estimate's error).
+TEST(Planner, TheHeadroomKeepsAShareOfTheBudgetForTheEstimatesError) {
+  const std::vector<PlanCandidate> c = {candidate(16, "none", 90, 100), candidate(4, "none", 30, 120)};
+  EXPECT_EQ(choose_plan(c, 100 << 20, 0).chosen.micro_batch, 16);  // 100 MiB fits 100 MiB exactly
+  const auto p = choose_plan(c, 100 << 20, 0.05);                  // estimates up to 95 MiB: only 40 MiB fits
+  EXPECT_EQ(p.chosen.micro_batch, 4);
+  EXPECT_EQ(p.fitting, 1);
+  EXPECT_NE(p.explain().find("estimates up to 95.0 MiB, memory.budget_headroom = 0.05"), std::string::npos) << p.explain();
+  // 40 MiB with a quarter held back needs 40 / 0.75 = 53.3 MiB: 54 is the smallest whole budget.
+  const auto e = test::error_of([&] { choose_plan(c, 53 << 20, 0.25); });
+  EXPECT_NE(e.find("memory.budget_mib = 54 (with memory.budget_headroom = 0.25)"), std::string::npos) << e;
+  EXPECT_EQ(choose_plan(c, 54 << 20, 0.25).chosen.micro_batch, 4);
+}
+
 TEST(Planner, AnImpossibleBudgetNamesTheSmallestFeasibleOneAndWhatDominatesIt) {
   const std::vector<PlanCandidate> c = {candidate(16, "none", 90, 100), candidate(1, "all", 5, 200)};
   const auto e = test::error_of([&] { choose_plan(c, 12 << 20); });
   EXPECT_NE(e.find("smallest estimated peak of 2 settings is 15.0 MiB"), std::string::npos) << e;
-  EXPECT_NE(e.find("memory.budget_mib = 16"), std::string::npos) << e;
+  EXPECT_NE(e.find("memory.budget_mib = 15 "), std::string::npos) << e;  // 15.0 MiB fits 15 MiB exactly
   EXPECT_NE(e.find("dominated by parameters (10.0 MiB of 15.0 MiB)"), std::string::npos) << e;
 }
 
@@ -126,6 +140,9 @@ TEST(Planner, BudgetKeyErrorsNameTheValue) {
                 .find("set one of them"),
             std::string::npos);
   EXPECT_NO_THROW(Config::load("", {"--memory.budget_mib=auto"}));
+  EXPECT_NE(test::error_of([] { Config::load("", {"--memory.budget_headroom=0.5"}); })
+                .find("memory.budget_headroom = 0.5 is out of range: expected in [0, 0.5)"),
+            std::string::npos);
 }
 
 }  // namespace

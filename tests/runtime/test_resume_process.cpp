@@ -47,10 +47,11 @@ TEST(ResumeProcess, SigtermSavesExitsZeroAndTheResumedRunIsBitExact) {
   const int steps = 800;
   runs.run("straight", steps, "", &code);
   ASSERT_EQ(code, 0);
-  // SIGTERM after ~0.6 s of training, to the process itself.
-  const auto out = test::shell(runs.command("stopped", steps) + " > " + runs.dir.path("stopped.log") +
-                               " 2>&1 & p=$!; sleep 1; kill -TERM $p; wait $p; echo \"exit=$?\"; cat " +
-                               runs.dir.path("stopped.log"));
+  // SIGTERM 0.5 s into training (its header's last line is out: the handler is installed), to the process itself.
+  const auto log = runs.dir.path("stopped.log");
+  const auto out = test::shell(runs.command("stopped", steps) + " > " + log + " 2>&1 & p=$!; for i in $(seq 600); do "
+                               "grep -q '^run folder:' " + log + " && break; sleep 0.05; done; sleep 0.5; kill -TERM $p; "
+                               "wait $p; echo \"exit=$?\"; cat " + log);
   EXPECT_NE(out.find("exit=0"), std::string::npos) << out;
   std::smatch m;
   ASSERT_TRUE(std::regex_search(out, m, std::regex("stopped by Terminated after step ([0-9]+) of 800; checkpoint saved to (\\S+);")))
@@ -77,8 +78,9 @@ TEST(ResumeProcess, TwentyKillNinesAtRandomMomentsNeverLoseTheLastCheckpoint) {
   const int steps = 1200;
   runs.run("straight", steps, "", &code);
   ASSERT_EQ(code, 0);
-  // Each life: start (resuming when there is a checkpoint), wait until it trains (its "model:" line comes
-  // after the resume), then SIGKILL it 0-0.3 s later. With a save after every step, more than half of
+  // Each life: start (resuming when there is a checkpoint), wait until it trains (its header comes after the
+  // resume; the wait is for the header's last line, "run folder:": stdout to a file is written in blocks, so
+  // an earlier line can be in the file cut off mid-line), then SIGKILL it 0-0.3 s later. With a save after every step, more than half of
   // the training time is inside a save.
   std::mt19937 rng(20261201);
   std::uniform_real_distribution<double> delay(0.0, 0.3);
@@ -89,7 +91,7 @@ TEST(ResumeProcess, TwentyKillNinesAtRandomMomentsNeverLoseTheLastCheckpoint) {
   while (kills < 20 && lives < 40) {
     ++lives;
     const auto out = test::shell(runs.command("killed", steps, "--checkpoint.every=1 --checkpoint.resume=auto") + " > " +
-                                 log + " 2>&1 & p=$!; for i in $(seq 600); do grep -q '^model:' " + log +
+                                 log + " 2>&1 & p=$!; for i in $(seq 600); do grep -q '^run folder:' " + log +
                                  " && break; sleep 0.05; done; sleep " + std::to_string(delay(rng)) +
                                  "; kill -9 $p 2>/dev/null && echo killed; wait $p 2>/dev/null; echo \"exit=$?\"; cat " + log);
     ASSERT_EQ(out.find("memtrain: ["), std::string::npos) << "life " << lives << " failed:\n" << out;

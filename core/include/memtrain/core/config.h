@@ -118,6 +118,7 @@ struct MemoryConfig {
   int64_t limit_mib = 0;            // this process's memory limit (CPU: counting allocator; CUDA: allocator fraction); 0 = none
   bool estimate = true;             // estimate the peak before step 1 (a probe forward + backward), compare with the measured
   std::string budget_mib = "0";     // the planner: MiB per rank | auto (free device memory, less a margin) | 0 (off)
+  double budget_headroom = 0.05;    // the planner: share of the budget a chosen plan's estimate leaves free (its error)
   // CUDA's caching allocator (PYTORCH_CUDA_ALLOC_CONF's settings, as [memory] keys) and its history.
   bool snapshot = false;            // record the allocator's history; write memory_snapshot.rank<N>.pickle (memory_viz)
   bool expandable_segments = false; // segments that grow in place instead of new ones (less fragmentation)

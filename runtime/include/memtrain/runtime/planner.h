@@ -3,7 +3,7 @@
 // the ZeRO stage, the fastest whose estimated peak (memory_estimate.h) fits the budget.
 //
 //   std::vector<PlanCandidate> c = ...;            // each with its estimate and predicted step time
-//   Plan p = choose_plan(c, 512 << 20);             // throws ConfigError when nothing fits
+//   Plan p = choose_plan(c, 512 << 20, 0.05);       // throws ConfigError when nothing fits
 //   std::cout << p.explain();                       // the choice, the runners-up, and why
 #pragma once
 
@@ -29,6 +29,7 @@ struct PlanCandidate {
 
 struct Plan {
   int64_t budget_bytes = 0;
+  double headroom = 0;                    // the share of the budget a chosen estimate leaves free
   PlanCandidate chosen;
   std::vector<PlanCandidate> runners_up;  // the next fastest that fit (at most 3)
   int64_t considered = 0;                 // candidates estimated
@@ -37,10 +38,12 @@ struct Plan {
   std::string explain() const;
 };
 
-// The fastest candidate whose estimated device peak is at most `budget_bytes` (ties: the smaller peak).
-// Nothing fits: a ConfigError naming the smallest feasible budget, its settings and the part of the
-// estimate that dominates it.
-Plan choose_plan(std::vector<PlanCandidate> candidates, int64_t budget_bytes);
+// The fastest candidate whose estimated device peak is at most `budget_bytes` x (1 - `headroom`) (ties: the
+// smaller peak). The headroom (memory.budget_headroom) is kept for the estimate's error: an estimate a
+// few percent under the measured peak must not put a plan that just fits over the budget. Nothing fits: a
+// ConfigError naming the smallest feasible budget, its settings and the part of the estimate that
+// dominates it.
+Plan choose_plan(std::vector<PlanCandidate> candidates, int64_t budget_bytes, double headroom = 0);
 
 // The time model where nothing was timed (several ranks, which must all reach the same plan): relative
 // cost of a step of `accum_steps` micro-batches of `micro_batch` samples, each micro-batch costing one
