@@ -125,19 +125,21 @@ void mark(const void* block, Kind kind) {
   if (it != blocks().end()) it->second.marked = static_cast<int>(kind);
 }
 
-KindBytes bytes_at_peak(Kind kind) {
+std::array<KindBytes, kKinds> bytes_at_peak() {
   std::lock_guard<std::mutex> lock(g_mutex);
-  KindBytes out;
+  std::array<KindBytes, kKinds> out;
   auto add = [&](const Block& b) {
-    if (b.marked != static_cast<int>(kind) || b.born > g_peak_event) return;
-    out.total += static_cast<int64_t>(b.bytes);
-    if (b.born > g_reset_event) out.born += static_cast<int64_t>(b.bytes);
+    if (b.marked < 0 || b.marked >= kKinds || b.born > g_peak_event) return;
+    auto& o = out[static_cast<size_t>(b.marked)];
+    o.total += static_cast<int64_t>(b.bytes);
+    if (b.born > g_reset_event) o.born += static_cast<int64_t>(b.bytes);
   };
   for (const auto& [ptr, b] : blocks()) add(b);  // alive now, so alive at the peak if born by then
   for (const auto& f : freed_marked())
     if (f.died > g_peak_event) add(f.block);
   return out;
 }
+KindBytes bytes_at_peak(Kind kind) { return bytes_at_peak()[static_cast<size_t>(kind)]; }
 void set_limit(int64_t bytes) { g_limit.store(bytes < 0 ? 0 : bytes, std::memory_order_relaxed); }
 int64_t limit() { return g_limit.load(std::memory_order_relaxed); }
 int64_t allocations() { return g_allocations.load(std::memory_order_relaxed); }

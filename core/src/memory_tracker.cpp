@@ -117,12 +117,17 @@ void MemoryTracker::begin_step(int64_t step) {
   }
 }
 
+void MemoryTracker::before_optimizer() {
+  if (!resident_source_) return;
+  for (size_t i = 0; i < options_.devices.size(); ++i)
+    grads_at_optimizer_[i] = resident_source_(options_.devices[i]).grads;
+}
+
 void MemoryTracker::end_phase(Phase phase) {
   // The peak so far, at each phase boundary: the first boundary at which it reaches the step's final
   // peak names the phase in which the peak happened. Costs one counter read, no allocation hook.
   for (size_t i = 0; i < options_.devices.size(); ++i) {
     marks_[i].push_back({phase, read_counters(options_.devices[i]).peak_allocated});
-    if (phase == Phase::kBackward && resident_source_) grads_at_optimizer_[i] = resident_source_(options_.devices[i]).grads;
   }
   if (!tracing_) return;
   const auto now = Clock::now();
@@ -198,9 +203,10 @@ const std::vector<DeviceMemorySample>& MemoryTracker::end_step() {
     s.grads_at_optimizer = grads_at_optimizer_[i];
     if (device.is_cpu()) {
       s.pinned_host_bytes = pinned_host_bytes();
-      const auto grads = cpu_memory::bytes_at_peak(cpu_memory::Kind::kGradient);
-      const auto head = cpu_memory::bytes_at_peak(cpu_memory::Kind::kHeadSaved);
-      const auto gathered = cpu_memory::bytes_at_peak(cpu_memory::Kind::kGathered);
+      const auto kinds = cpu_memory::bytes_at_peak();
+      const auto& grads = kinds[static_cast<size_t>(cpu_memory::Kind::kGradient)];
+      const auto& head = kinds[static_cast<size_t>(cpu_memory::Kind::kHeadSaved)];
+      const auto& gathered = kinds[static_cast<size_t>(cpu_memory::Kind::kGathered)];
       s.at_peak = {.known = true, .grads = grads.total, .grads_born = grads.born, .head_saved = head.born,
                    .gathered = gathered.born,
                    .activations = s.activation_peak - grads.born - head.born - gathered.born};

@@ -270,7 +270,9 @@ void DataParallel::begin_step() {
   for (auto& b : buckets_) {
     b->reductions = 0;
     free_reduced(*b);  // stages 2-3: left by a skipped step
-    if (b->reduced.defined() && !b->reduced.is_same(b->grad)) b->reduced.zero_();
+    // Stage 0 with masters adds each reduction into `reduced`; stages 1-3 overwrite it with the step's first
+    // (every bucket is reduced at least once a step: end_micro_batch reduces those that never filled).
+    if (options_.stage == 0 && b->reduced.defined() && !b->reduced.is_same(b->grad)) b->reduced.zero_();
     if (b->grad.defined()) {
       b->grad.zero_();
       allocate_gradients(*b);  // re-attach the views, in case something set a parameter's gradient to none

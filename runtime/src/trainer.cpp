@@ -515,6 +515,7 @@ StepResult Trainer::attempt_step() {
       loss_sum += loss.detach();
     }
   }
+  tracker_->before_optimizer();
   // 3. Unscale (fp16), clip; the norm stays on the device (fp32 master gradients when there are masters;
   //    several ranks: this rank's reduced part, and the norm is global).
   const auto stepped = dp_ ? dp_->stepped_tensors() : (master_.empty() ? params_ : master_);

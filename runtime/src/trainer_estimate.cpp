@@ -46,6 +46,15 @@ class DropGradients {
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
 };
 
+// Time can only grow with the batch, and never starts below zero: noise that says otherwise is clamped.
+void clamp_probe_times(ActivationProbe& p) {
+  const auto m0 = p.micro_batch[0], m1 = p.micro_batch[1];
+  if (m1 <= m0) return;
+  p.ms[1] = std::max(p.ms[1], p.ms[0]);
+  const double slope = (p.ms[1] - p.ms[0]) / static_cast<double>(m1 - m0);
+  if (p.ms[0] - slope * static_cast<double>(m0) < 0) p.ms[0] = p.ms[1] * static_cast<double>(m0) / static_cast<double>(m1);
+}
+
 }  // namespace
 
 int64_t Trainer::probe_activations(int64_t micro_batch, bool keep_grads, double* ms) {
@@ -97,7 +106,7 @@ ActivationProbe Trainer::probe(bool keep_grads) {
   return probe_at(m0, m1, keep_grads);
 }
 
-ActivationProbe Trainer::probe_at(int64_t m0, int64_t m1, bool keep_grads, int timings) {
+ActivationProbe Trainer::probe_at(int64_t m0, int64_t m1, bool keep_grads, bool clamp) {
   ActivationProbe p;
   p.micro_batch[0] = m0, p.micro_batch[1] = m1;
   p.grads_included = keep_grads;
@@ -107,20 +116,21 @@ ActivationProbe Trainer::probe_at(int64_t m0, int64_t m1, bool keep_grads, int t
       continue;
     }
     p.bytes[i] = probe_activations(p.micro_batch[i], keep_grads, &p.ms[i]);
-    // The planner's times: the fastest of a few runs (a busy machine only ever adds time).
-    for (int r = 1; r < timings; ++r) {
-      double ms = 0;
-      probe_activations(p.micro_batch[i], keep_grads, &ms);
-      p.ms[i] = std::min(p.ms[i], ms);
-    }
   }
-  // Time can only grow with the batch, and never starts below zero: noise that says otherwise is clamped.
-  if (m1 > m0) {
-    p.ms[1] = std::max(p.ms[1], p.ms[0]);
-    const double slope = (p.ms[1] - p.ms[0]) / static_cast<double>(m1 - m0);
-    if (p.ms[0] - slope * static_cast<double>(m0) < 0) p.ms[0] = p.ms[1] * static_cast<double>(m0) / static_cast<double>(m1);
-  }
+  if (clamp) clamp_probe_times(p);
   return p;
+}
+
+void Trainer::retime_probe(ActivationProbe& p, bool keep_grads) {
+  for (int i = 0; i < 2; ++i) {
+    if (i == 1 && p.micro_batch[1] == p.micro_batch[0]) {
+      p.ms[1] = p.ms[0];
+      continue;
+    }
+    double ms = 0;
+    probe_activations(p.micro_batch[i], keep_grads, &ms);
+    p.ms[i] = std::min(p.ms[i], ms);  // a busy machine only ever adds time
+  }
 }
 
 int64_t Trainer::budget_bytes() const {
@@ -179,43 +189,57 @@ void Trainer::plan_to_budget() {
   if (p1 == p0 && global > p0) p1 = micro[micro.size() >= 2 ? micro.size() - 2 : 0];
   const bool timed = world_.world_size == 1;  // several ranks: every rank must reach the same plan, untimed
   plan_candidates_.clear();
-  bool warm = false;
-  for (const auto& policy : policies) {
-    for (const auto& head : heads) {
-      policy_ = CheckpointPolicy::parse(policy);
-      policy_.offload = m.offload;
-      head_rows_ = parse_head_rows(head);
-      if (!warm) probe_activations(p0, !sharded), warm = true;  // the first forward of a process runs slower
-      const auto pr = probe_at(p0, p1, /*keep_grads=*/!sharded, /*timings=*/timed ? 3 : 1);
-      for (auto mb : micro) {
-        for (const bool offload : offloads) {
-          for (int stage : stages) {
-            // Offload needs a sharded optimizer (stage >= 1); in one process, a group of one at stage 1.
-            if (offload && stage == 0) {
-              if (world_.world_size > 1) continue;
-              stage = 1;
-            }
-            auto in = estimate_inputs(world_.world_size);
-            in.micro_batch = mb, in.accum_steps = global / mb, in.stage = stage, in.budget_bytes = -1;
-            in.offload = offload;
-            in.probe = pr;
-            // The later micro-batches of one process find the gradients resident; what their backward adds is
-            // taken as the first micro-batch's (gradients born included): an over-estimate by at most the
-            // gradient bytes, which spares a second probe per setting. (A one-process offload candidate drops
-            // its gradients per bucket: the kept-gradient probe over-estimates it the same way.)
-            if (!sharded) in.probe_dropped = pr;
-            PlanCandidate c{.micro_batch = mb, .accum_steps = global / mb, .recompute = policy, .head = head, .stage = stage,
-                            .offload = offload, .estimate = estimate_memory(in)};
-            const int64_t part = (in.root_elements + std::accumulate(in.block_elements.begin(), in.block_elements.end(),
-                                                                     int64_t{0})) / world_.world_size;
-            c.step_ms = timed ? static_cast<double>(global / mb) * pr.ms_at(mb) +
-                                    (offload && !configured_offload
-                                         ? offload_step_ms(part, in.param_bytes, in.param_bytes, cpu_update_ns)
-                                         : 0.0)
-                              : plan_step_cost(mb, global / mb, recompute_fraction(policy), stage, 0.1,
-                                               offload && !configured_offload);
-            plan_candidates_.push_back(c);
+  auto use = [&](const std::string& policy, const std::string& head) {
+    policy_ = CheckpointPolicy::parse(policy);
+    policy_.offload = m.offload;
+    head_rows_ = parse_head_rows(head);
+  };
+  // The times are each setting's fastest of kRounds, taken in rounds over all settings: a machine busy for a
+  // while slows one round of every setting rather than every round of one.
+  constexpr int kRounds = 4;
+  std::vector<std::pair<std::string, std::string>> pairs;
+  for (const auto& policy : policies)
+    for (const auto& head : heads) pairs.emplace_back(policy, head);
+  std::vector<ActivationProbe> probes;
+  for (const auto& [policy, head] : pairs) {
+    use(policy, head);
+    if (probes.empty()) probe_activations(p0, !sharded);  // the first forward of a process runs slower
+    probes.push_back(probe_at(p0, p1, /*keep_grads=*/!sharded, /*clamp=*/false));
+  }
+  for (int round = 1; timed && round < kRounds; ++round)
+    for (size_t k = 0; k < pairs.size(); ++k) use(pairs[k].first, pairs[k].second), retime_probe(probes[k], !sharded);
+  for (auto& pr : probes) clamp_probe_times(pr);
+  for (size_t k = 0; k < pairs.size(); ++k) {
+    const auto& [policy, head] = pairs[k];
+    const auto& pr = probes[k];
+    for (auto mb : micro) {
+      for (const bool offload : offloads) {
+        for (int stage : stages) {
+          // Offload needs a sharded optimizer (stage >= 1); in one process, a group of one at stage 1.
+          if (offload && stage == 0) {
+            if (world_.world_size > 1) continue;
+            stage = 1;
           }
+          auto in = estimate_inputs(world_.world_size);
+          in.micro_batch = mb, in.accum_steps = global / mb, in.stage = stage, in.budget_bytes = -1;
+          in.offload = offload;
+          in.probe = pr;
+          // The later micro-batches of one process find the gradients resident; what their backward adds is
+          // taken as the first micro-batch's (gradients born included): an over-estimate by at most the
+          // gradient bytes, which spares a second probe per setting. (A one-process offload candidate drops
+          // its gradients per bucket: the kept-gradient probe over-estimates it the same way.)
+          if (!sharded) in.probe_dropped = pr;
+          PlanCandidate c{.micro_batch = mb, .accum_steps = global / mb, .recompute = policy, .head = head, .stage = stage,
+                          .offload = offload, .estimate = estimate_memory(in)};
+          const int64_t part = (in.root_elements + std::accumulate(in.block_elements.begin(), in.block_elements.end(),
+                                                                   int64_t{0})) / world_.world_size;
+          c.step_ms = timed ? static_cast<double>(global / mb) * pr.ms_at(mb) +
+                                  (offload && !configured_offload
+                                       ? offload_step_ms(part, in.param_bytes, in.param_bytes, cpu_update_ns)
+                                       : 0.0)
+                            : plan_step_cost(mb, global / mb, recompute_fraction(policy), stage, 0.1,
+                                             offload && !configured_offload);
+          plan_candidates_.push_back(c);
         }
       }
     }

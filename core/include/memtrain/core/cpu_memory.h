@@ -7,6 +7,7 @@
 //   auto t = torch::empty({1024}, torch::kFloat);      // current() == before + 4096
 #pragma once
 
+#include <array>
 #include <cstdint>
 
 namespace memtrain::cpu_memory {
@@ -28,12 +29,14 @@ int64_t limit();
 // before the peak and freed after it. A block can be marked any time while it lives (after the backward
 // that made it, say). `born` counts those allocated since the last reset_peak() (the step's own).
 enum class Kind { kGradient, kHeadSaved, kGathered };  // kGathered: ZeRO-3's full parameters while gathered
+inline constexpr int kKinds = 3;
 void mark(const void* block, Kind kind);  // `block`: the storage's base pointer; unknown pointers are ignored
 struct KindBytes {
   int64_t total = 0;
   int64_t born = 0;
 };
 KindBytes bytes_at_peak(Kind kind);
+std::array<KindBytes, kKinds> bytes_at_peak();  // every kind in one pass over the blocks, indexed by Kind
 
 // Makes glibc keep freed heap memory for reuse instead of returning it to the kernel (no trimming,
 // no mmap for large blocks). A training step frees and re-allocates the same activation sizes every

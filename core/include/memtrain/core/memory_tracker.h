@@ -106,6 +106,8 @@ class MemoryTracker {
 
   void begin_step(int64_t step);
   void end_phase(Phase phase);
+  // After the last backward of the step, before the update: the gradient bytes resident now (grads_at_optimizer).
+  void before_optimizer();
   // Closes the step: one sample per device, appended to the JSONL file and to the summary.
   const std::vector<DeviceMemorySample>& end_step();
 

@@ -144,7 +144,10 @@ class Trainer {
   // (several ranks hold them in buckets). Leaves parameters, gradients and buffers as they were.
   int64_t probe_activations(int64_t micro_batch, bool keep_grads, double* ms = nullptr);
   ActivationProbe probe(bool keep_grads);  // at two micro-batches up to half the configured one
-  ActivationProbe probe_at(int64_t m0, int64_t m1, bool keep_grads, int timings = 1);
+  // Bytes and time at m0 and m1. `clamp`: noise that makes time fall with the batch, or start below zero, is
+  // clamped now (the planner clamps after its later timing rounds, retime_probe, instead).
+  ActivationProbe probe_at(int64_t m0, int64_t m1, bool keep_grads, bool clamp = true);
+  void retime_probe(ActivationProbe& p, bool keep_grads);  // times both points again, keeping the faster
   // memory.budget_mib: chooses micro-batch / accumulation, recompute policy, head and (several ranks) ZeRO
   // stage, writes them into config_ (setup, before the buckets exist). The candidates stay for correct_plan().
   void plan_to_budget();
