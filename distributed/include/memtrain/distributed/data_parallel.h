@@ -53,14 +53,14 @@
 namespace memtrain {
 
 struct DataParallelOptions {
-  int stage = 0;                      // ZeRO stage: 0 | 1 | 2
+  int stage = 0;                      // ZeRO stage: 0 | 1 | 2 | 3
   double bucket_mib = 25;             // target bucket size (DDP's default)
   bool reduce_every_micro_batch = false;  // true: reduce after every micro-batch (least memory);
                                           // false: accumulate locally, reduce after the last (least traffic)
   bool master_weights = false;        // bf16 parameters: the optimizer steps fp32 copies of this rank's part
   // Stage 3: the unit of each parameter of named_params (same order): 0..U-1 a block, -1 the root (what
   // lies outside the blocks, and any parameter used by two units). Reductions run after every micro-batch.
-  std::vector<int64_t> units;
+  std::vector<int64_t> units = {};
   int64_t prefetch = 1;               // stage 3: units gathered ahead of the one running (forward and backward)
   bool offload = false;               // stages 1-3: the stepped part and its optimizer state in host memory
 };
