@@ -78,10 +78,11 @@ TEST(ResumeProcess, TwentyKillNinesAtRandomMomentsNeverLoseTheLastCheckpoint) {
   const int steps = 1200;
   runs.run("straight", steps, "", &code);
   ASSERT_EQ(code, 0);
-  // Each life: start (resuming when there is a checkpoint), wait until it trains (its header comes after the
-  // resume; the wait is for the header's last line, "run folder:": stdout to a file is written in blocks, so
-  // an earlier line can be in the file cut off mid-line), then SIGKILL it 0-0.3 s later. With a save after every step, more than half of
-  // the training time is inside a save.
+  // Each life: start (resuming when there is a checkpoint), wait until it trains (its header, whose last line
+  // is "run folder:", comes after the resume), then SIGKILL it 0-0.3 s later. The log is removed first: the
+  // background process truncates it only once it starts, and a wait that read the last life's header would
+  // kill this one before it trained (seen in CI; here 39 of 300 such waits read the old file). With a save
+  // after every step, more than half of the training time is inside a save.
   std::mt19937 rng(20261201);
   std::uniform_real_distribution<double> delay(0.0, 0.3);
   int kills = 0, inside_a_save = 0, lives = 0;
@@ -90,8 +91,8 @@ TEST(ResumeProcess, TwentyKillNinesAtRandomMomentsNeverLoseTheLastCheckpoint) {
   const auto log = runs.dir.path("life.log");
   while (kills < 20 && lives < 40) {
     ++lives;
-    const auto out = test::shell(runs.command("killed", steps, "--checkpoint.every=1 --checkpoint.resume=auto") + " > " +
-                                 log + " 2>&1 & p=$!; for i in $(seq 600); do grep -q '^run folder:' " + log +
+    const auto out = test::shell("rm -f " + log + "; " + runs.command("killed", steps, "--checkpoint.every=1 --checkpoint.resume=auto") +
+                                 " > " + log + " 2>&1 & p=$!; for i in $(seq 600); do grep -q '^run folder:' " + log +
                                  " && break; sleep 0.05; done; sleep " + std::to_string(delay(rng)) +
                                  "; kill -9 $p 2>/dev/null && echo killed; wait $p 2>/dev/null; echo \"exit=$?\"; cat " + log);
     ASSERT_EQ(out.find("memtrain: ["), std::string::npos) << "life " << lives << " failed:\n" << out;
