@@ -408,12 +408,16 @@ TEST(DataParallel, TwoLaunchersAsTwoNodesTrainAsOneJob) {
 }
 
 TEST(DataParallel, SigtermToTheLauncherSavesEveryRanksPartAndExitsZero) {
+  // The signal comes 2 s after rank 0's header (its last line, "[rank 0] run folder:"): both ranks are training, with
+  // their handlers installed, however slowly they started.
   const auto dir = fs::temp_directory_path() / ("memtrain-dp-term-" + std::to_string(::getpid()));
+  fs::remove(dir.string() + ".log");
   const std::string script = test::binary("memtrain-run") + " --standalone --nproc-per-node 2 -- " + test::binary("memtrain") +
                              " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
                              " --model.n_layer=2 --model.n_embd=32 --model.n_head=2 --model.block_size=32"
                              " --dist.zero_stage=1 --train.steps=100000 --log.progress=lines --log.dir=" + dir.string() +
-                             " > " + dir.string() + ".log 2>&1 & L=$!; sleep 6; kids=$(pgrep -P $L); kill -TERM $L; wait $L; "
+                             " > " + dir.string() + ".log 2>&1 & L=$!; for i in $(seq 1200); do grep -q '^\\[rank 0\\] run folder:' " +
+                             dir.string() + ".log && break; sleep 0.05; done; sleep 2; kids=$(pgrep -P $L); kill -TERM $L; wait $L; "
                              "echo \"exit=$?\"; sleep 1; left=none-left; for k in $kids; do kill -0 $k 2>/dev/null && "
                              "left=LEFT; done; echo $left; echo \"kids=$kids\"; cat " + dir.string() + ".log";
   const auto out = test::shell(script);
