@@ -33,10 +33,7 @@ std::string show_value(const T& v) {
   if constexpr (std::is_same_v<T, bool>) {
     return v ? "true" : "false";
   } else if constexpr (std::is_floating_point_v<T>) {
-    // The shortest text that reads back to the same double: 0.1, not 0.10000000000000001.
-    char buf[64];
-    auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
-    return std::string(buf, end);
+    return format_shortest(v);
   } else {
     std::ostringstream os;
     os << v;
@@ -600,6 +597,12 @@ std::string Config::reference_markdown() {
     }
   });
   return os.str();
+}
+
+std::string format_shortest(double v) {
+  char buf[64];
+  auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, end);
 }
 
 double parse_budget_mib(const std::string& value) {

@@ -139,7 +139,6 @@ std::array<KindBytes, kKinds> bytes_at_peak() {
     if (f.died > g_peak_event) add(f.block);
   return out;
 }
-KindBytes bytes_at_peak(Kind kind) { return bytes_at_peak()[static_cast<size_t>(kind)]; }
 void set_limit(int64_t bytes) { g_limit.store(bytes < 0 ? 0 : bytes, std::memory_order_relaxed); }
 int64_t limit() { return g_limit.load(std::memory_order_relaxed); }
 int64_t allocations() { return g_allocations.load(std::memory_order_relaxed); }

@@ -8,6 +8,7 @@
 #include <iomanip>
 #include <sstream>
 
+#include "memtrain/core/config.h"
 #include "memtrain/core/error.h"
 #include "memtrain/core/memory_tracker.h"
 
@@ -80,11 +81,6 @@ std::string dominant(const MemoryParts& p) {
   o << best->first << " (" << format_bytes(best->second) << " of " << format_bytes(p.peak()) << ")";
   return o.str();
 }
-std::string share(double v) {  // 0.05, as the config reads it
-  std::ostringstream o;
-  o << v;
-  return o.str();
-}
 }  // namespace
 
 Plan choose_plan(std::vector<PlanCandidate> candidates, int64_t budget_bytes, double headroom) {
@@ -93,7 +89,7 @@ Plan choose_plan(std::vector<PlanCandidate> candidates, int64_t budget_bytes, do
   Plan plan;
   plan.budget_bytes = budget_bytes;
   plan.headroom = headroom;
-  const auto usable = static_cast<int64_t>(static_cast<double>(budget_bytes) * (1 - headroom));
+  const auto usable = plan.usable_bytes();
   plan.considered = static_cast<int64_t>(candidates.size());
   std::stable_sort(candidates.begin(), candidates.end(), [](const PlanCandidate& a, const PlanCandidate& b) {
     if (a.step_ms != b.step_ms) return a.step_ms < b.step_ms;
@@ -114,7 +110,7 @@ Plan choose_plan(std::vector<PlanCandidate> candidates, int64_t budget_bytes, do
                       " cannot be met: the smallest estimated peak of " + std::to_string(plan.considered) +
                       " settings is " + need.str() + " MiB (" + smallest.describe() + "), dominated by " +
                       dominant(smallest.estimate.device) + "; the smallest feasible budget is memory.budget_mib = " +
-                      std::to_string(feasible) + (headroom > 0 ? " (with memory.budget_headroom = " + share(headroom) + ")" : std::string()) +
+                      std::to_string(feasible) + (headroom > 0 ? " (with memory.budget_headroom = " + format_shortest(headroom) + ")" : std::string()) +
                       " (or shard more: more ranks with dist.zero_stage = 3, dist.offload_optimizer = cpu on a GPU)");
   }
   plan.fitting = static_cast<int64_t>(fit.size());
@@ -132,8 +128,8 @@ std::string Plan::explain() const {
   };
   o << "plan for a budget of " << format_bytes(budget_bytes) << " per rank (memory.budget_mib";
   if (headroom > 0)
-    o << "; estimates up to " << format_bytes(static_cast<int64_t>(static_cast<double>(budget_bytes) * (1 - headroom)))
-      << ", memory.budget_headroom = " << share(headroom) << " kept for the estimate's error";
+    o << "; estimates up to " << format_bytes(usable_bytes())
+      << ", memory.budget_headroom = " << format_shortest(headroom) << " kept for the estimate's error";
   o << "; " << fitting << " of " << considered << " settings fit; the fastest is chosen):\n";
   line("chosen:    ", chosen);
   for (const auto& r : runners_up) line("runner-up: ", r);

@@ -59,10 +59,11 @@ TEST(CpuMemory, ThePeakKnowsWhichMarkedBlocksWereAliveAtIt) {
   cpu_memory::mark(late.storage().data(), cpu_memory::Kind::kGradient);
   cpu_memory::mark(h.storage().data(), cpu_memory::Kind::kHeadSaved);
   c.reset();
-  const auto g = cpu_memory::bytes_at_peak(cpu_memory::Kind::kGradient);
+  const auto kinds = cpu_memory::bytes_at_peak();
+  const auto& g = kinds[static_cast<size_t>(cpu_memory::Kind::kGradient)];
   EXPECT_EQ(g.total, 400 + (1 << 20) + (1 << 18));
   EXPECT_EQ(g.born, (1 << 20) + (1 << 18));
-  EXPECT_EQ(cpu_memory::bytes_at_peak(cpu_memory::Kind::kHeadSaved).total, 4096);
+  EXPECT_EQ(kinds[static_cast<size_t>(cpu_memory::Kind::kHeadSaved)].total, 4096);
   int x = 0;
   cpu_memory::mark(&x, cpu_memory::Kind::kGradient);  // not a tensor block: ignored
 }

@@ -187,6 +187,9 @@ struct Config {
 int64_t parse_head_rows(const std::string& mode);
 // memory.budget_mib: the budget in MiB (> 0), 0 (no planner) or -1 (auto). Throws ConfigError otherwise.
 double parse_budget_mib(const std::string& value);
+// A number as the config prints it: the shortest text that reads back to the same double (0.1, not
+// 0.10000000000000001).
+std::string format_shortest(double v);
 
 namespace detail {
 // "K" of the grammars every:K and fused:ROWS: a whole number >= 1 of at most 9 digits; nullopt otherwise.

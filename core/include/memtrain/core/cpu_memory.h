@@ -25,7 +25,7 @@ int64_t limit();
 
 // What the peak was made of. An owner marks live blocks of its kind (gradient buckets, a parameter's
 // .grad, the fused head's saved gradient); every allocation and free is numbered, and the peak keeps the
-// number at which it was reached, so bytes_at_peak(kind) is exact: the marked blocks allocated at or
+// number at which it was reached, so bytes_at_peak() is exact: the marked blocks allocated at or
 // before the peak and freed after it. A block can be marked any time while it lives (after the backward
 // that made it, say). `born` counts those allocated since the last reset_peak() (the step's own).
 enum class Kind { kGradient, kHeadSaved, kGathered };  // kGathered: ZeRO-3's full parameters while gathered
@@ -35,7 +35,6 @@ struct KindBytes {
   int64_t total = 0;
   int64_t born = 0;
 };
-KindBytes bytes_at_peak(Kind kind);
 std::array<KindBytes, kKinds> bytes_at_peak();  // every kind in one pass over the blocks, indexed by Kind
 
 // Makes glibc keep freed heap memory for reuse instead of returning it to the kernel (no trimming,

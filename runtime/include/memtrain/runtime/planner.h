@@ -35,6 +35,8 @@ struct Plan {
   int64_t considered = 0;                 // candidates estimated
   int64_t fitting = 0;                    // of which fit the budget
   bool timed = true;                      // step_ms from the probe's timings (else plan_step_cost's units)
+  // What a chosen estimate may reach: the budget less the headroom.
+  int64_t usable_bytes() const { return static_cast<int64_t>(static_cast<double>(budget_bytes) * (1 - headroom)); }
   std::string explain() const;
 };
 
