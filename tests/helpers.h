@@ -96,6 +96,21 @@ inline std::string shell(const std::string& command, int* code = nullptr) {
   return out;
 }
 
+// A shell fragment for tests that signal a process they started in the background: waits (at most
+// `seconds`) until `file` has a line matching the grep pattern `line`, e.g. wait_for_line(log, "^run folder:").
+inline std::string wait_for_line(const std::string& file, const std::string& line, int seconds) {
+  return "for i in $(seq " + std::to_string(seconds * 20) + "); do grep -q '" + line + "' " + file +
+         " && break; sleep 0.05; done";
+}
+
+// A shell fragment: waits for the background process `pid` (a shell expression, e.g. "$L") at most `seconds`,
+// then SIGKILLs it if it still runs, and reaps it; $? is its exit status (137 if it had to be killed). A
+// launcher killed so takes its ranks with it (they die with their parent): a test that fails leaves nothing.
+inline std::string wait_at_most(const std::string& pid, int seconds) {
+  return "timeout " + std::to_string(seconds) + " tail --pid=" + pid + " -s 0.1 -f /dev/null; kill -9 " + pid +
+         " 2>/dev/null; wait " + pid;
+}
+
 // max |a - b| / (max |b| + tiny): a scale-free distance for comparing gradients.
 inline double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
   auto fa = a.to(torch::kDouble), fb = b.to(torch::kDouble);

@@ -416,8 +416,9 @@ TEST(DataParallel, SigtermToTheLauncherSavesEveryRanksPartAndExitsZero) {
                              " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
                              " --model.n_layer=2 --model.n_embd=32 --model.n_head=2 --model.block_size=32"
                              " --dist.zero_stage=1 --train.steps=100000 --log.progress=lines --log.dir=" + dir.string() +
-                             " > " + dir.string() + ".log 2>&1 & L=$!; for i in $(seq 1200); do grep -q '^\\[rank 0\\] run folder:' " +
-                             dir.string() + ".log && break; sleep 0.05; done; sleep 2; kids=$(pgrep -P $L); kill -TERM $L; wait $L; "
+                             " > " + dir.string() + ".log 2>&1 & L=$!; " +
+                             test::wait_for_line(dir.string() + ".log", "^\\[rank 0\\] run folder:", 60) +
+                             "; sleep 2; kids=$(pgrep -P $L); kill -TERM $L; " + test::wait_at_most("$L", 120) + "; "
                              "echo \"exit=$?\"; sleep 1; left=none-left; for k in $kids; do kill -0 $k 2>/dev/null && "
                              "left=LEFT; done; echo $left; echo \"kids=$kids\"; cat " + dir.string() + ".log";
   const auto out = test::shell(script);
@@ -537,7 +538,8 @@ TEST(DataParallel, AKilledRankEndsTheJobNamingItWithNoProcessLeft) {
                           " --model.n_layer=2 --model.n_embd=32 --model.n_head=2 --model.block_size=32"
                           " --train.steps=100000 --log.progress=lines --log.dir=" + dir.string();
   const std::string script = run + " > " + (dir.string() + ".log") + " 2>&1 & L=$!; sleep 8; " +
-                             "kids=$(pgrep -P $L); victim=$(echo \"$kids\" | tail -1); kill -9 $victim; wait $L; "
+                             "kids=$(pgrep -P $L); victim=$(echo \"$kids\" | tail -1); kill -9 $victim; " +
+                             test::wait_at_most("$L", 120) + "; "
                              "echo \"exit=$?\"; sleep 1; left=none-left; for k in $kids; do kill -0 $k 2>/dev/null && "
                              "left=LEFT; done; echo $left; cat " + dir.string() + ".log";
   const auto out = test::shell(script);

@@ -49,9 +49,9 @@ TEST(ResumeProcess, SigtermSavesExitsZeroAndTheResumedRunIsBitExact) {
   ASSERT_EQ(code, 0);
   // SIGTERM 0.5 s into training (its header's last line is out: the handler is installed), to the process itself.
   const auto log = runs.dir.path("stopped.log");
-  const auto out = test::shell(runs.command("stopped", steps) + " > " + log + " 2>&1 & p=$!; for i in $(seq 600); do "
-                               "grep -q '^run folder:' " + log + " && break; sleep 0.05; done; sleep 0.5; kill -TERM $p; "
-                               "wait $p; echo \"exit=$?\"; cat " + log);
+  const auto out = test::shell(runs.command("stopped", steps) + " > " + log + " 2>&1 & p=$!; " +
+                               test::wait_for_line(log, "^run folder:", 30) + "; sleep 0.5; kill -TERM $p; wait $p; "
+                               "echo \"exit=$?\"; cat " + log);
   EXPECT_NE(out.find("exit=0"), std::string::npos) << out;
   std::smatch m;
   ASSERT_TRUE(std::regex_search(out, m, std::regex("stopped by Terminated after step ([0-9]+) of 800; checkpoint saved to (\\S+);")))
@@ -92,8 +92,8 @@ TEST(ResumeProcess, TwentyKillNinesAtRandomMomentsNeverLoseTheLastCheckpoint) {
   while (kills < 20 && lives < 40) {
     ++lives;
     const auto out = test::shell("rm -f " + log + "; " + runs.command("killed", steps, "--checkpoint.every=1 --checkpoint.resume=auto") +
-                                 " > " + log + " 2>&1 & p=$!; for i in $(seq 600); do grep -q '^run folder:' " + log +
-                                 " && break; sleep 0.05; done; sleep " + std::to_string(delay(rng)) +
+                                 " > " + log + " 2>&1 & p=$!; " + test::wait_for_line(log, "^run folder:", 30) + "; sleep " +
+                                 std::to_string(delay(rng)) +
                                  "; kill -9 $p 2>/dev/null && echo killed; wait $p 2>/dev/null; echo \"exit=$?\"; cat " + log);
     ASSERT_EQ(out.find("memtrain: ["), std::string::npos) << "life " << lives << " failed:\n" << out;
     ASSERT_NE(out.find("model:      "), std::string::npos) << "life " << lives << " never started training:\n" << out;
