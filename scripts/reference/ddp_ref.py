@@ -15,10 +15,20 @@ weights, for STEPS steps on a fixed global batch of GLOBAL_BATCH sequences per s
       final norm, tied head), parameters resharded after forward, + torch.optim.AdamW on the sharded (DTensor)
       parameters: ZeRO stage 3
 
+and twice more with plain SGD (lr SGD_LR, no momentum, no weight decay), whose update is proportional to the
+gradient: a reduction that sums where it should average moves every weight twice as far (AdamW's update does
+not change when every gradient is scaled by the same factor, so (a)-(c) cannot see that):
+
+  (d) DistributedDataParallel + torch.optim.SGD, no clipping
+  (e) the same with torch.nn.utils.clip_grad_norm_(max_norm=SGD_CLIP), below every step's norm: the clip
+      coefficient max_norm / (norm + 1e-6) decides the update
+
 ddp_zero.safetensors holds
   inputs, targets          (STEPS, GLOBAL_BATCH, T) int64: step s's global batch
-  ddp_losses, zero_losses, fsdp_losses  (STEPS,) f64: each step's loss (before its update), the mean over the ranks
-  ddp_final.<name>, zero_final.<name>, fsdp_final.<name>   every parameter after the last step of (a), (b), (c)
+  <run>_losses             (STEPS,) f64: each step's loss (before its update), the mean over the ranks
+  <run>_grad_norms         (STEPS,) f64: each step's global gradient norm before clipping (of the averaged gradient)
+  <run>_final.<name>       every parameter after the last step
+  for <run> = ddp (a), zero (b), fsdp (c), sgd (d), sgd_clip (e)
 """
 import os, socket, sys
 
@@ -35,6 +45,9 @@ import make_fixtures as fx  # noqa: E402  (the fixture GPT, its weights, the Ada
 WORLD = 2
 STEPS = 4
 GLOBAL_BATCH = 8
+SGD_LR = 0.5
+SGD_CLIP = 0.25
+RUNS = ("ddp", "zero", "fsdp", "sgd", "sgd_clip")
 
 
 def batches():
@@ -43,8 +56,15 @@ def batches():
     return idx[..., :-1].contiguous(), idx[..., 1:].contiguous()
 
 
-def train(rank, zero=False, fsdp=False):
-    """One run on this rank: the loss of every step (mean over ranks) and the final parameters."""
+def total_norm(model):
+    """The global 2-norm of every gradient (DTensor shards under FSDP2 summed over the ranks)."""
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    return norm.full_tensor().item() if hasattr(norm, "full_tensor") else norm.item()
+
+
+def train(rank, zero=False, fsdp=False, sgd=False, clip=0.0):
+    """One run on this rank: the loss and gradient norm of every step (loss: mean over ranks) and the final
+    parameters."""
     model = fx.make_model()  # the same seeded weights as gpt_parity.safetensors on every rank
     if fsdp:
         for block in model.h:
@@ -52,7 +72,9 @@ def train(rank, zero=False, fsdp=False):
         ddp = fully_shard(model)
     else:
         ddp = DDP(model)
-    if fsdp:
+    if sgd:
+        opt = torch.optim.SGD(model.parameters(), lr=SGD_LR, momentum=0.0, weight_decay=0.0)
+    elif fsdp:
         opt = fx.adamw(list(model.parameters()))  # DTensor shards; the same groups by dimension
     elif zero:
         decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -63,37 +85,39 @@ def train(rank, zero=False, fsdp=False):
         opt = fx.adamw(list(model.parameters()))
     inputs, targets = batches()
     rows = slice(rank * GLOBAL_BATCH // WORLD, (rank + 1) * GLOBAL_BATCH // WORLD)
-    losses = []
+    losses, norms = [], []
     for s in range(STEPS):
         opt.zero_grad(set_to_none=True)
         _, loss = ddp(inputs[s, rows], targets[s, rows])
         loss.backward()  # DDP averages the gradients over the ranks
+        norms.append(total_norm(model))
+        if clip > 0:
+            assert norms[-1] > clip, f"step {s}: norm {norms[-1]} under the clip {clip}: clipping would not act"
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()       # ZeRO: each rank steps its share of the parameters, then broadcasts them
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / WORLD)
     if fsdp:  # full_tensor() gathers the shards: every rank calls it
-        return losses, {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+        return losses, norms, {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def worker(rank, port, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    ddp_losses, ddp_final = train(rank, zero=False)
-    zero_losses, zero_final = train(rank, zero=True)
-    fsdp_losses, fsdp_final = train(rank, fsdp=True)
+    runs = {"ddp": train(rank), "zero": train(rank, zero=True), "fsdp": train(rank, fsdp=True),
+            "sgd": train(rank, sgd=True), "sgd_clip": train(rank, sgd=True, clip=SGD_CLIP)}
+    assert tuple(runs) == RUNS
     if rank == 0:
         inputs, targets = batches()
-        t = {"inputs": inputs, "targets": targets,
-             "ddp_losses": torch.tensor(ddp_losses, dtype=torch.float64),
-             "zero_losses": torch.tensor(zero_losses, dtype=torch.float64),
-             "fsdp_losses": torch.tensor(fsdp_losses, dtype=torch.float64)}
-        t.update({"ddp_final." + n: p for n, p in ddp_final.items()})
-        t.update({"zero_final." + n: p for n, p in zero_final.items()})
-        t.update({"fsdp_final." + n: p for n, p in fsdp_final.items()})
+        t = {"inputs": inputs, "targets": targets}
+        for run, (losses, norms, final) in runs.items():
+            t[run + "_losses"] = torch.tensor(losses, dtype=torch.float64)
+            t[run + "_grad_norms"] = torch.tensor(norms, dtype=torch.float64)
+            t.update({run + "_final." + n: p for n, p in final.items()})
         fx.save(os.path.join(out, "ddp_zero.safetensors"), t,
-                dict(world=WORLD, steps=STEPS, global_batch=GLOBAL_BATCH))
+                dict(world=WORLD, steps=STEPS, global_batch=GLOBAL_BATCH, sgd_lr=SGD_LR, sgd_clip=SGD_CLIP))
     dist.barrier()
     dist.destroy_process_group()
 

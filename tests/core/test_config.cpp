@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <sstream>
 
 #include "helpers.h"
 #include "memtrain/core/config.h"
@@ -14,12 +16,47 @@ namespace {
 using test::error_of;
 using test::TempDir;
 
+// `key = value` lines of an INI text by section ("train.lr" -> "2e-3"), comments and blank lines skipped.
+std::map<std::string, std::string> ini_values(const std::string& text) {
+  std::map<std::string, std::string> out;
+  std::istringstream in(text);
+  std::string section;
+  auto trim = [](std::string s) {
+    s.erase(0, s.find_first_not_of(" \t"));
+    s.erase(s.find_last_not_of(" \t\r") + 1);
+    return s;
+  };
+  for (std::string line; std::getline(in, line);) {
+    line = trim(line.substr(0, line.find('#')));
+    if (line.empty()) continue;
+    if (line.front() == '[') section = line.substr(1, line.find(']') - 1);
+    else if (auto eq = line.find('='); eq != std::string::npos) out[section + "." + trim(line.substr(0, eq))] = trim(line.substr(eq + 1));
+  }
+  return out;
+}
+
 TEST(Config, ExampleConfigsParse) {
+  // Every value an example file sets is the value the loaded config holds (read back from its resolved
+  // INI): no key of an example is misspelled into being ignored, none is overridden by another.
   int n = 0;
   for (const auto& f : std::filesystem::directory_iterator(test::source("examples/configs"))) {
     if (f.path().extension() != ".ini") continue;
     SCOPED_TRACE(f.path().string());
-    EXPECT_NO_THROW(Config::load(f.path().string()));
+    Config c;
+    ASSERT_NO_THROW(c = Config::load(f.path().string()));
+    std::ifstream in(f.path());
+    const auto given = ini_values(std::string(std::istreambuf_iterator<char>(in), {}));
+    const auto resolved = ini_values(c.to_ini());
+    EXPECT_GE(given.size(), 5u);
+    for (const auto& [key, value] : given) {
+      ASSERT_TRUE(resolved.count(key)) << key << " is not a key of the resolved config";
+      char* end = nullptr;
+      const double number = std::strtod(value.c_str(), &end);
+      if (end != value.c_str() && *end == '\0')
+        EXPECT_DOUBLE_EQ(std::stod(resolved.at(key)), number) << key;
+      else
+        EXPECT_EQ(resolved.at(key), value) << key;
+    }
     ++n;
   }
   EXPECT_GE(n, 4);

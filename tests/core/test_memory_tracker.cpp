@@ -177,23 +177,31 @@ TEST(MemoryTracker, WritesOneJsonLinePerStep) {
 }
 
 TEST(MemoryTracker, PinnedHostBytesAreTheirOwnField) {
-  // Pinned host memory (offloaded checkpoint inputs) comes from the CUDA host allocator, which the
-  // counting CPU allocator never sees: the CPU sample reports it in its own field, 0 without CUDA.
+  // Pinned host memory (offloaded checkpoint inputs) comes from the CUDA host allocator, which the counting
+  // CPU allocator never sees: the CPU sample reports it in its own field and not in its peak. In a step, a
+  // 1 MiB ordinary tensor and (with CUDA) a 1 MiB pinned one: the activation peak holds the first only,
+  // the pinned field the second only (0 without CUDA: nothing can be pinned there).
+  const bool cuda = torch::cuda::is_available();
   test::TempDir dir;
   MemoryTracker tracker({.rank = 0, .devices = {c10::kCPU}, .jsonl_path = dir.path("m.jsonl")});
+  if (cuda) at::getHostAllocator(c10::kCUDA)->empty_cache();
+  const int64_t pinned_before = cuda ? pinned_host_bytes() : 0;
   tracker.begin_step(0);
+  auto ordinary = torch::empty({1 << 18});  // 1 MiB of fp32
+  torch::Tensor pinned;
+  if (cuda) pinned = torch::empty({1 << 18}, torch::TensorOptions().pinned_memory(true));
+  tracker.end_phase(Phase::kForward);
   const auto& s = tracker.end_step();
   ASSERT_EQ(s.size(), 1u);
-  EXPECT_EQ(s[0].pinned_host_bytes, pinned_host_bytes());
-  if (!torch::cuda::is_available()) {
-    EXPECT_EQ(s[0].pinned_host_bytes, 0);
-  }
+  EXPECT_EQ(s[0].activation_peak, 1 << 20) << "the ordinary MiB, and no pinned byte";
+  EXPECT_EQ(s[0].pinned_host_bytes, pinned_before + (cuda ? 1 << 20 : 0));
   std::ifstream in(dir.path("m.jsonl"));
   std::string line;
   ASSERT_TRUE(std::getline(in, line));
   auto j = nlohmann::json::parse(line);
   ASSERT_TRUE(j.contains("pinned_host_bytes")) << line;
-  EXPECT_EQ(j["pinned_host_bytes"].get<int64_t>(), s[0].pinned_host_bytes);
+  EXPECT_EQ(j["pinned_host_bytes"].get<int64_t>(), pinned_before + (cuda ? 1 << 20 : 0));
+  EXPECT_EQ(j["activation_peak"].get<int64_t>(), 1 << 20);
 }
 
 TEST(MemoryTracker, CudaPinnedHostBytesSkipWithoutGpu) {

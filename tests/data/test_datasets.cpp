@@ -47,11 +47,33 @@ TEST(TextData, DeterministicPerStepAndDisjointAcrossRanks) {
 }
 
 TEST(TextData, ValidationIsHeldOutAndStable) {
+  // 4000 bytes, val_fraction 0.1: the last 400 are held out. They are upper case and the 3600 before them
+  // lower case, so a window's letters say which part of the file it came from.
   test::TempDir dir;
-  auto data = make_text_dataset(text_options(alphabet_text(dir)), {});
+  std::string s;
+  for (int i = 0; i < 4000; ++i) s += static_cast<char>((i < 3600 ? 'a' : 'A') + i % 26);
+  auto data = make_text_dataset(text_options(dir.file("two_cases.txt", s)), {});
+  auto upper = [](const torch::Tensor& t) { return t.ge('A').logical_and(t.le('Z')).all().item<bool>(); };
+  auto lower = [](const torch::Tensor& t) { return t.ge('a').logical_and(t.le('z')).all().item<bool>(); };
   auto v1 = data->val_batches(4, 3), v2 = data->val_batches(4, 3);
   ASSERT_EQ(v1.size(), 3u);
-  for (size_t i = 0; i < v1.size(); ++i) EXPECT_TRUE(torch::equal(v1[i].input, v2[i].input));
+  for (size_t i = 0; i < v1.size(); ++i) {
+    EXPECT_TRUE(torch::equal(v1[i].input, v2[i].input));
+    EXPECT_TRUE(upper(v1[i].input) && upper(v1[i].target)) << "validation batch " << i << " reaches into training:\n"
+                                                           << v1[i].input;
+  }
+  // Every held-out window, and never a training window in it: 400 bytes hold (400 - 1) / 8 = 49 windows of 8 + 1.
+  int64_t windows = 0;
+  for (const auto& b : data->val_batches(16, 100)) {
+    EXPECT_TRUE(upper(b.input) && upper(b.target)) << b.input;
+    windows += b.input.size(0);
+  }
+  EXPECT_EQ(windows, (400 - 1) / 8);
+  // Training windows never read a held-out byte.
+  for (int64_t step = 0; step < 50; ++step) {
+    auto b = data->train_batch(step, 0, 16);
+    EXPECT_TRUE(lower(b.input) && lower(b.target)) << "step " << step << " trains on held-out bytes:\n" << b.input;
+  }
 }
 
 TEST(TextData, MissingAndShortFilesAreNamed) {
@@ -78,9 +100,21 @@ TEST(FashionMnist, ShapesLabelsAndSplits) {
   EXPECT_EQ(b.target.sizes(), (std::vector<int64_t>{16}));
   EXPECT_GE(b.target.min().item<int64_t>(), 0);
   EXPECT_LE(b.target.max().item<int64_t>(), 9);
-  // Normalised with the dataset's mean and std: the batch mean is near 0.
-  EXPECT_NEAR(b.input.mean().item<double>(), 0.0, 0.3);
+  // Normalised with the training set's mean and standard deviation: over all 60,000 training images (one
+  // epoch of 54,000 in 9 batches of 6,000, and the 6,000 held out) mean 0 and std 1. Raw pixels in [0, 1]
+  // have mean 0.286 and std 0.353, so a missing or wrong normalisation is far outside 0.01.
+  double sum = 0, squares = 0, count = 0;
+  auto add = [&](const torch::Tensor& x) {
+    auto d = x.to(torch::kDouble);
+    sum += d.sum().item<double>(), squares += d.square().sum().item<double>(), count += static_cast<double>(d.numel());
+  };
+  for (int64_t step = 0; step < 9; ++step) add(data->train_batch(step, 0, 6000).input);
   int64_t val = 0, test = 0;
+  for (const auto& v : data->val_batches(1000, 100)) add(v.input);
+  ASSERT_EQ(count, 60000.0 * 784);
+  const double mean = sum / count, std = std::sqrt(squares / count - mean * mean);
+  EXPECT_NEAR(mean, 0.0, 0.01);
+  EXPECT_NEAR(std, 1.0, 0.01);
   for (const auto& v : data->val_batches(1000, 100)) val += v.target.size(0);
   for (const auto& t : data->test_batches(1000)) test += t.target.size(0);
   EXPECT_EQ(val, 6000);

@@ -121,29 +121,38 @@ TEST(TokenFiles, EachKindOfBadFileHasItsOwnError) {
 }
 
 TEST(TokenFiles, SetUpsBpeFilesDecodeBackToTheCorpus) {
-  // Set-up's byte-level BPE token files, decoded with their tokenizer.json by Hugging Face tokenizers:
-  // validation after training, byte for byte the prepared corpus.
+  // Set-up's byte-level BPE token files as memtrain reads them (its llm.c reader, the vocabulary from the
+  // header), decoded with their tokenizer.json by Hugging Face tokenizers: training then validation, byte
+  // for byte the prepared corpus. Windows of one token (block_size 1) at stride 1: the inputs of the
+  // validation windows are every id of the file but the last, which is the last window's target.
   test::TempDir dir;
   const auto data = default_data_dir();
-  for (const char* set : {"austen-bpe8192", "austen-bpe50257"}) {
+  for (const auto& [set, vocab] : {std::pair<std::string, int64_t>{"austen-bpe8192", 8192}, {"austen-bpe50257", 50257}}) {
     SCOPED_TRACE(set);
     const auto folder = data + "/tokens/" + set;
+    std::vector<torch::Tensor> ids;
+    for (const char* part : {"train.bin", "val.bin"}) {
+      TextDataOptions o;
+      o.tokens = folder + "/val.bin", o.val_tokens = folder + "/" + part, o.block_size = 1;  // `part` as validation
+      auto d = make_text_dataset(o, {});
+      EXPECT_EQ(d->info().vocab_size, vocab) << "from the header's slot 3";
+      auto windows = d->val_batches(1 << 20, 1 << 10);
+      ASSERT_FALSE(windows.empty());
+      for (const auto& w : windows) ids.push_back(w.input.flatten());
+      ids.push_back(windows.back().target.flatten().slice(0, -1));
+    }
+    auto all = torch::cat(ids).to(torch::kInt).contiguous();
+    EXPECT_LT(all.max().item<int64_t>(), vocab);
+    std::ofstream(dir.path("ids.i32"), std::ios::binary)
+        .write(static_cast<const char*>(all.data_ptr()), static_cast<std::streamsize>(all.numel() * 4));
     run_python(dir, std::string(R"(
 import numpy as np
 from tokenizers import Tokenizer
-folder, corpus = ")") + folder + R"(", ")" + data + R"(/text/austen.txt"
-tok = Tokenizer.from_file(folder + "/tokenizer.json")
-ids = []
-for part in ("train.bin", "val.bin"):
-    raw = open(folder + "/" + part, "rb").read()
-    header = np.frombuffer(raw[:1024], dtype="<i4")
-    assert header[0] == 20240520 and header[1] == 1, header[:4]
-    t = np.frombuffer(raw[1024:], dtype="<u2")
-    assert len(t) == header[2], (len(t), header[2])
-    ids += t.tolist()
-text = tok.decode(ids)
-want = open(corpus, encoding="utf-8").read()
-assert text == want, "decoded %d chars, corpus %d" % (len(text), len(want))
+tok = Tokenizer.from_file(")") + folder + R"(/tokenizer.json")
+ids = np.fromfile("ids.i32", dtype="<i4")
+text = tok.decode(ids.tolist())
+want = open(")" + data + R"(/text/austen.txt", encoding="utf-8").read()
+assert text == want, "memtrain read %d tokens; they decode to %d chars, the corpus has %d" % (len(ids), len(text), len(want))
 print("round trip", len(ids), "tokens")
 )");
   }

@@ -31,9 +31,21 @@ struct Run {
   int code = -1;
   std::string output;
   std::vector<double> losses;                    // per step, averaged over ranks (metrics.jsonl)
+  std::vector<double> grad_norms;                // per step, the global norm before clipping (metrics.jsonl)
   std::map<std::string, torch::Tensor> weights;  // saved at the end by rank 0
+  size_t parameters = 0;                         // tensors the model has: 4 + 12 per layer (by arithmetic)
   std::vector<std::string> last_memory;          // per rank: the last line of memory.rank<r>.jsonl
 };
+
+// The GPT's tensors: the token and position embeddings and the final LayerNorm's two (4), and per block two
+// LayerNorms (4), qkv and the attention projection (4), the MLP's two linears (4).
+size_t gpt_tensors(int64_t layers) { return 4 + 12 * static_cast<size_t>(layers); }
+
+// The run saved every parameter of the model: a comparison over its weights is not a loop over nothing.
+void expect_every_parameter(const Run& r) {
+  ASSERT_GT(r.parameters, 0u);
+  ASSERT_EQ(r.weights.size(), r.parameters) << "model.safetensors missing or incomplete:\n" << r.output;
+}
 
 // Trains a small GPT on the Austen text for 4 steps: one process (ranks = 1) or `ranks` processes.
 Run train(int ranks, int64_t global_batch, const std::vector<std::string>& extra, const std::string& launcher = "") {
@@ -45,17 +57,25 @@ Run train(int ranks, int64_t global_batch, const std::vector<std::string>& extra
                      " --train.warmup_steps=1 --train.eval_every=0 --log.every=1 --log.progress=lines"
                      " --train.micro_batch=" + std::to_string(global_batch / ranks) +
                      " --log.dir=" + dir.string() + " --log.name=" + name;
-  for (const auto& e : extra) args += " " + e;
+  int64_t layers = 2;
+  for (const auto& e : extra) {
+    args += " " + e;
+    if (e.starts_with("--model.n_layer=")) layers = std::stoll(e.substr(16));
+  }
   std::string command = test::binary("memtrain") + args;
   if (ranks > 1)
     command = (launcher.empty() ? test::binary("memtrain-run") + " --standalone --nproc-per-node " + std::to_string(ranks) + " --"
                                 : launcher + " --nproc-per-node " + std::to_string(ranks)) +
               " " + command;
   Run r;
+  r.parameters = gpt_tensors(layers);
   r.output = test::shell(command + " 2>&1", &r.code);
   std::ifstream metrics(dir / name / "metrics.jsonl");
-  for (std::string line; std::getline(metrics, line);)
-    if (line.find("\"loss\"") != std::string::npos) r.losses.push_back(field(line, "loss"));
+  for (std::string line; std::getline(metrics, line);) {
+    if (line.find("\"loss\"") == std::string::npos) continue;
+    r.losses.push_back(field(line, "loss"));
+    r.grad_norms.push_back(field(line, "grad_norm"));
+  }
   if (fs::exists(dir / name / "checkpoints" / "model.safetensors"))
     r.weights = load_safetensors((dir / name / "checkpoints" / "model.safetensors").string());
   for (int rank = 0; rank < ranks; ++rank) {
@@ -68,13 +88,22 @@ Run train(int ranks, int64_t global_batch, const std::vector<std::string>& extra
   return r;
 }
 
+// The same training: losses and final weights within the tolerances, and each step's pre-clip gradient norm
+// within the losses' (the same samples reduced in another order). The norms are what sees a reduction that
+// sums where it should average: AdamW's update is blind to a common scale of the gradients, and clipping
+// rescales them anyway.
 void expect_same_training(const Run& one, const Run& many, double loss_tol, double weight_tol) {
   ASSERT_EQ(one.code, 0) << one.output;
   ASSERT_EQ(many.code, 0) << many.output;
   ASSERT_EQ(one.losses.size(), 4u) << one.output;
   ASSERT_EQ(many.losses.size(), one.losses.size()) << many.output;
-  for (size_t s = 0; s < one.losses.size(); ++s)
+  ASSERT_EQ(many.grad_norms.size(), one.grad_norms.size()) << many.output;
+  for (size_t s = 0; s < one.losses.size(); ++s) {
     EXPECT_NEAR(many.losses[s], one.losses[s], loss_tol * std::abs(one.losses[s])) << "step " << s + 1;
+    ASSERT_GT(one.grad_norms[s], 0) << "step " << s + 1 << ": no grad_norm in metrics.jsonl";
+    EXPECT_NEAR(many.grad_norms[s], one.grad_norms[s], loss_tol * one.grad_norms[s]) << "pre-clip gradient norm, step " << s + 1;
+  }
+  expect_every_parameter(one);
   ASSERT_EQ(many.weights.size(), one.weights.size());
   for (const auto& [key, w] : one.weights) {
     auto got = many.weights.at(key);
@@ -130,6 +159,9 @@ TEST(DataParallel, ReductionsAreDeterministicRunToRun) {
   ASSERT_EQ(a.code, 0) << a.output;
   ASSERT_EQ(a.losses.size(), 4u);
   EXPECT_EQ(a.losses, b.losses);  // bitwise
+  EXPECT_EQ(a.grad_norms, b.grad_norms);
+  expect_every_parameter(a);
+  expect_every_parameter(b);
   for (const auto& [key, w] : a.weights) EXPECT_TRUE(torch::equal(b.weights.at(key), w)) << key;
 }
 
@@ -307,7 +339,11 @@ TEST(DataParallel, OffloadedOptimizerGivesTheSameTraining) {
     ASSERT_EQ(offloaded.code, 0) << offloaded.output;
     EXPECT_NE(offloaded.output.find("optimizer offloaded to host memory"), std::string::npos) << offloaded.output;
     // The same fp32 arithmetic on a copy of the part: bitwise the same.
+    ASSERT_EQ(on_device.losses.size(), 4u) << on_device.output;
     EXPECT_EQ(offloaded.losses, on_device.losses);
+    EXPECT_EQ(offloaded.grad_norms, on_device.grad_norms);
+    expect_every_parameter(on_device);
+    expect_every_parameter(offloaded);
     for (const auto& [key, w] : on_device.weights) EXPECT_TRUE(torch::equal(offloaded.weights.at(key), w)) << key;
   }
 }

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include "helpers.h"
+#include <nlohmann/json.hpp>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -155,7 +156,15 @@ void run_examples(bool cuda) {
     if ((c.train.device == "cuda") != cuda) continue;
     SCOPED_TRACE(f.path().filename().string());
     Trainer t(c);
-    for (int i = 0; i < 2; ++i) EXPECT_TRUE(std::isfinite(t.step().loss.item<double>()));
+    // A finite loss no higher than a uniform guess over the classes (ln V; a fresh model sits near it,
+    // within 0.5 for the ResNet's BatchNorm start), for the first steps of every example.
+    const auto info = t.data().info();
+    const double classes = c.model.name == "gpt" ? static_cast<double>(info.vocab_size) : static_cast<double>(info.num_classes);
+    for (int i = 0; i < 2; ++i) {
+      const double loss = t.step().loss.item<double>();
+      EXPECT_TRUE(std::isfinite(loss)) << "step " << i + 1;
+      EXPECT_LT(loss, std::log(classes) + 0.5) << "step " << i + 1;
+    }
     ++ran;
   }
   EXPECT_GE(ran, 1);
@@ -251,6 +260,39 @@ TEST(Output, AchievedFlopsAndMfuAreNamedForWhatTheyAre) {
   EXPECT_GT(number("samples_per_s"), 0);
   EXPECT_GT(number("rank0/cpu"), 200e6) << summary;  // peak_allocated_bytes: the images alone are 219 MB
   EXPECT_NE(r.log.find("| MFU "), std::string::npos) << r.log;
+}
+
+TEST(Output, AchievedFlopsAreTheGptFormulaTimesTokensOverTheMeasuredTime) {
+  // The published count of training FLOPs per token (Kaplan et al. 2020, PaLM's appendix B, nanoGPT's
+  // estimate_mfu): 6 N + 12 L C T, N the parameters but the position embeddings. N by arithmetic here: per
+  // block 12 C^2 + 13 C (qkv 3C^2 + 3C, projection C^2 + C, MLP 8C^2 + 5C, two LayerNorms 4C), the tied token
+  // embedding V C, the final LayerNorm 2C.
+  test::TempDir dir;
+  auto c = test::tiny_gpt_config();
+  c.train.steps = 4, c.log.every = 1, c.log.progress = "lines", c.log.dir = dir.path(), c.log.name = "flops";
+  const double L = 2, C = 32, T = 32, V = 256, B = 4;
+  ASSERT_EQ(c.model.n_layer, L);
+  ASSERT_EQ(c.model.n_embd, C);
+  ASSERT_EQ(c.model.block_size, T);
+  ASSERT_EQ(c.train.micro_batch, B);
+  const double n = L * (12 * C * C + 13 * C) + V * C + 2 * C;
+  const double per_token = 6 * n + 12 * L * C * T;
+  Trainer t(c);
+  ASSERT_EQ(t.data().info().vocab_size, V);
+  testing::internal::CaptureStdout();
+  t.fit();
+  testing::internal::GetCapturedStdout();
+  std::ifstream metrics(std::filesystem::path(dir.path()) / "flops" / "metrics.jsonl");
+  int lines = 0;
+  for (std::string line; std::getline(metrics, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (!j.contains("ms_per_step")) continue;
+    ++lines;
+    const double seconds = j["ms_per_step"].get<double>() / 1000;
+    EXPECT_NEAR(j["tokens_per_s"].get<double>(), B * T / seconds, 1e-9 * B * T / seconds) << line;
+    EXPECT_NEAR(j["flops_per_s"].get<double>(), per_token * B * T / seconds, 1e-9 * per_token * B * T / seconds) << line;
+  }
+  EXPECT_EQ(lines, 4);
 }
 
 TEST(Output, LogLineSaysPreClipAndOneRank) {
