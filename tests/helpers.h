@@ -4,7 +4,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
 #include <cstdio>
@@ -37,6 +41,12 @@ inline std::shared_ptr<GPT> fixture_gpt(double dropout = 0.0) {
   return gpt;
 }
 
+// The folder of this test process's run folders (log.dir): its own, so two suites on one host never write
+// into each other's runs; tests/main.cpp removes it at the end.
+inline std::string run_root() {
+  return (std::filesystem::temp_directory_path() / ("memtrain-tests-" + std::to_string(::getpid()))).string();
+}
+
 // A small byte-level GPT on synthetic tokens: fast, no data files.
 inline Config tiny_gpt_config(int64_t layers = 2) {
   Config c;
@@ -50,7 +60,7 @@ inline Config tiny_gpt_config(int64_t layers = 2) {
   c.train.micro_batch = 4;
   c.train.warmup_steps = 2;
   c.train.eval_every = 0;
-  c.log.dir = (std::filesystem::temp_directory_path() / "memtrain-tests").string();
+  c.log.dir = run_root();
   c.log.overwrite = true;  // tests rerun in the same folders
   return c;
 }
@@ -94,6 +104,22 @@ inline std::string shell(const std::string& command, int* code = nullptr) {
   const int status = p ? pclose(p) : -1;
   if (code) *code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return out;
+}
+
+// A TCP port on 127.0.0.1 that nothing listens on now, chosen by the OS (bind to port 0), for tests that
+// start a store or a listener of their own: two suites on one host never share a fixed port.
+inline int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof a;
+  const bool ok = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  if (fd >= 0) ::close(fd);
+  if (!ok) throw std::runtime_error("free_port: cannot bind a socket on 127.0.0.1");
+  return ntohs(a.sin_port);
 }
 
 // A shell fragment for tests that signal a process they started in the background: waits (at most

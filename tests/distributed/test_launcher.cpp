@@ -45,11 +45,13 @@ TEST(Launcher, TwoAndFourRanksGetExactCollectives) {
 
 TEST(Launcher, TwoNodesOnLoopbackFormOneJob) {
   // Two launchers, node 0 and node 1, two ranks each: one world of 4 through the loopback address.
-  const std::string common = " --nnodes 2 --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29731 -- " + probe();
+  test::TempDir dir;
+  const std::string common = " --nnodes 2 --nproc-per-node 2 --master-addr 127.0.0.1 --master-port " +
+                             std::to_string(test::free_port()) + " -- " + probe();
+  const auto node1 = dir.path("node1.log");
   // Node 1 in the background; whatever node 0 does, node 1 is stopped and waited for before the test ends.
-  auto r = run(launcher() + " --node-rank 1" + common + " > /tmp/memtrain-node1.log 2>&1 & N1=$!; " + launcher() +
-               " --node-rank 0" + common + "; c=$?; sleep 1; kill $N1 2>/dev/null; wait $N1; cat /tmp/memtrain-node1.log; "
-               "exit $c");
+  auto r = run(launcher() + " --node-rank 1" + common + " > " + node1 + " 2>&1 & N1=$!; " + launcher() + " --node-rank 0" +
+               common + "; c=$?; " + test::wait_at_most("$N1", 30) + "; cat " + node1 + "; exit $c");
   EXPECT_EQ(r.code, 0) << r.output;
   for (int rank = 0; rank < 4; ++rank)
     EXPECT_NE(r.output.find("collectives ok: rank " + std::to_string(rank) + " of 4"), std::string::npos) << r.output;
@@ -64,13 +66,23 @@ TEST(Launcher, TorchrunStartsTheSameRanks) {
 }
 
 TEST(Launcher, ADeadRankStopsTheJobNamingItAndLeavesNoProcess) {
+  // Rank 1 exits with code 3 right after the rendezvous. The job's end is timed from that event (its "dying on
+  // purpose" line in the log), not from the launch: three ranks may take long to start on a busy machine, but
+  // once one is dead the others must be stopped within the grace period (3 s) and a few seconds of polling.
+  test::TempDir dir;
+  const auto log = dir.path("job.log");
   auto r = run("PROBE_DIE_RANK=1 PROBE_PRINT_PID=1 PROBE_TIMEOUT_S=20 " + launcher() +
-               " --standalone --nproc-per-node 3 --grace-s 3 -- " + probe());
-  EXPECT_EQ(r.code, 3) << r.output;  // the dead rank's own exit code
+               " --standalone --nproc-per-node 3 --grace-s 3 -- " + probe() + " > " + log + " 2>&1 & L=$!; " +
+               test::wait_for_line(log, "dying on purpose", 120) + "; t0=$(date +%s.%N); " + test::wait_at_most("$L", 120) +
+               "; code=$?; t1=$(date +%s.%N); cat " + log + "; echo \"exit=$code\"; echo \"t0=$t0 t1=$t1\"");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.output, m, std::regex("exit=([0-9]+)"))) << r.output;
+  EXPECT_EQ(std::stoi(m[1]), 3) << r.output;  // the dead rank's own exit code
   EXPECT_NE(r.output.find("memtrain-run: rank 1 (pid"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("exited with code 3; stopping the other ranks"), std::string::npos) << r.output;
-  EXPECT_LT(r.seconds, 15) << "the job did not stop promptly";
-  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.output, m, std::regex("t0=([0-9.]+) t1=([0-9.]+)"))) << r.output;
+  EXPECT_LT(std::stod(m[2]) - std::stod(m[1]), 3 + 5) << "the job did not stop within the grace period of the rank's death:\n"
+                                                      << r.output;
   std::string rest = r.output;
   int pids = 0;
   while (std::regex_search(rest, m, std::regex("pid (\\d+)\n"))) {
@@ -91,26 +103,31 @@ TEST(Launcher, TorchrunAlsoStopsOnADeadRank) {
 
 TEST(Rendezvous, AMissingRankFailsWithinTheTimeoutNamingTheStore) {
   // World of 2, only rank 0 started: the store waits for a rank that never comes.
-  auto r = run("RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29732 PROBE_TIMEOUT_S=3 " + probe());
+  const auto port = std::to_string(test::free_port());
+  auto r = run("RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + " PROBE_TIMEOUT_S=3 " + probe());
   EXPECT_EQ(r.code, 1) << r.output;
-  EXPECT_NE(r.output.find("rendezvous at 127.0.0.1:29732 failed: serving the store for 2 ranks within 3 s"),
+  EXPECT_NE(r.output.find("rendezvous at 127.0.0.1:" + port + " failed: serving the store for 2 ranks within 3 s"),
             std::string::npos)
       << r.output;
   EXPECT_LT(r.seconds, 30);
   // A rank pointed at an address where nobody serves: it gives up within the timeout, too.
-  r = run("RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29733 PROBE_TIMEOUT_S=3 " + probe());
+  r = run("RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(test::free_port()) +
+          " PROBE_TIMEOUT_S=3 " + probe());
   EXPECT_EQ(r.code, 1) << r.output;
   EXPECT_NE(r.output.find("joining the store of 2 ranks"), std::string::npos) << r.output;
   EXPECT_LT(r.seconds, 30);
 }
 
 TEST(Rendezvous, ABusyPortIsNamed) {
-  // Another process listens on the port rank 0 must serve the store on.
-  auto r = run("python3 -c \"import socket,time; s=socket.socket(); s.bind(('127.0.0.1', 29734)); s.listen(); "
-               "time.sleep(15)\" & P=$!; sleep 1; (RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29734 "
-               "PROBE_TIMEOUT_S=5 " + probe() + " 2>&1); code=$?; kill $P; exit $code");
+  // Another process listens on the port rank 0 must serve the store on; the probe starts once it listens.
+  test::TempDir dir;
+  const auto port = std::to_string(test::free_port()), ready = dir.path("listening");
+  auto r = run("python3 -c \"import socket,time; s=socket.socket(); s.bind(('127.0.0.1', " + port + ")); s.listen(); "
+               "open('" + ready + "', 'w').write('yes'); time.sleep(60)\" & P=$!; " + test::wait_for_line(ready, "yes", 20) +
+               "; (RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + " PROBE_TIMEOUT_S=5 " + probe() +
+               " 2>&1); code=$?; kill $P; wait $P; exit $code");
   EXPECT_EQ(r.code, 1) << r.output;
-  EXPECT_NE(r.output.find("rendezvous at 127.0.0.1:29734 failed: serving the store"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rendezvous at 127.0.0.1:" + port + " failed: serving the store"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("that the port is free"), std::string::npos) << r.output;
   EXPECT_LT(r.seconds, 30);
 }
