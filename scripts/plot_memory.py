@@ -75,7 +75,7 @@ def main(argv):
         raise SystemExit(__doc__)
     run = argv[1]
     ranks, summary, limit, budget = load(run)
-    fig, axes = plt.subplots(len(ranks), 1, figsize=(9, 3.2 * len(ranks)), squeeze=False, sharex=True)
+    fig, axes = plt.subplots(len(ranks), 1, figsize=(11, 3.2 * len(ranks)), squeeze=False, sharex=True)
     estimate = summary.get("memory_estimate", {}).get("device", {}).get("peak")
     for ax, (rank, rows) in zip(axes[:, 0], sorted(ranks.items())):
         steps = [r["step"] for r in rows]
@@ -99,11 +99,12 @@ def main(argv):
         ax.set_title(f"rank {rank}, {rows[0]['device']}: peak in {', '.join(phases)}", fontsize=9)
         ax.set_ylabel("MiB")
         ax.grid(alpha=0.3)
-    axes[0, 0].legend(fontsize=7, loc="lower right", ncol=2)
+    # The legend beside the plots, not over the stacked areas it explains.
+    axes[0, 0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
     out = os.path.join(run, "memory.png")
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
     print(f"wrote {out}")
 
 

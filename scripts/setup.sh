@@ -175,5 +175,12 @@ if [ ! -f "$BUILD/build.ninja" ] || ((${#fresh[@]})); then
     -DCMAKE_CXX_COMPILER_LAUNCHER=ccache >"$CACHE/configure.log" 2>&1 \
     || { cat "$CACHE/configure.log" >&2; exit 1; }
 fi
-# Ninja's progress lines are dropped; warnings and errors still show, and a failed build fails here.
-cmake --build "$BUILD" -j"${MEMTRAIN_JOBS:-$(nproc)}" 2>&1 | { grep -vE '^\[[0-9]+/[0-9]+\] |^ninja: no work' || true; }
+# Ninja's progress lines become one line on stderr that counts up ("[setup] building 37/80"): a first build
+# takes minutes on 2 cores and must not look hung. Warnings and errors still show in full, and a failed
+# build fails here (pipefail).
+cmake --build "$BUILD" -j"${MEMTRAIN_JOBS:-$(nproc)}" 2>&1 | awk '
+  /^\[[0-9]+\/[0-9]+\] / { printf "\r[setup] building %s", substr($1, 2, length($1) - 2) > "/dev/stderr"; fflush("/dev/stderr"); shown = 1; next }
+  /^ninja: no work/ { next }
+  { if (shown) { printf "\n" > "/dev/stderr"; shown = 0 } print; fflush() }
+  END { if (shown) printf "\n" > "/dev/stderr" }'
+log "built $BUILD"

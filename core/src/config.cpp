@@ -11,7 +11,7 @@
 #include <map>
 #include <sstream>
 
-#include "memtrain/core/checkpoint_policy.h"
+#include "memtrain/core/recompute_policy.h"
 #include "memtrain/core/error.h"
 
 namespace po = boost::program_options;
@@ -19,14 +19,76 @@ namespace po = boost::program_options;
 namespace memtrain {
 namespace {
 
-// One config key: how Boost parses it into the struct, and how to print it back.
+// One config key: how Boost parses it into the struct, how to print it back, and the rule its value must
+// keep on its own (rules that span keys stay in Config::validate()).
 struct Entry {
   std::string key;    // "section.key"
   std::string help;
   std::string group;  // model keys: the model they belong to (gpt | resnet | mlp); "" for all
   std::function<void(po::options_description&)> declare;
   std::function<std::string()> show;
+  std::function<void()> check;  // throws ConfigError naming the key, the value and what is allowed
 };
+
+template <size_t N>
+void check_one_of(const std::string& key, const std::string& value, const std::array<std::string_view, N>& allowed) {
+  for (auto a : allowed)
+    if (value == a) return;
+  throw ConfigError(detail::concat("[config] ", key, " = '", value, "' is not allowed; expected one of: ",
+                                   choices::join(allowed)));
+}
+
+template <class T>
+void check_range(const std::string& key, T value, bool ok, const std::string& allowed) {
+  MEMTRAIN_CHECK(ok, ConfigError, "[config] ", key, " = ", value, " is out of range: expected ", allowed);
+}
+
+// The rules of a table row: a value's own check, given the key.
+template <class T>
+using Check = std::function<void(const std::string& key, const T& value)>;
+
+template <class T>
+Check<T> at_least(T lo, std::string allowed = "") {
+  if (allowed.empty()) {
+    if constexpr (std::is_floating_point_v<T>) allowed = ">= " + format_shortest(lo);
+    else allowed = ">= " + std::to_string(lo);
+  }
+  return [lo, allowed](const std::string& key, const T& v) { check_range(key, v, v >= lo, allowed); };
+}
+
+template <class T>
+Check<T> where(bool (*ok)(T), std::string allowed) {
+  return [ok, allowed](const std::string& key, const T& v) { check_range(key, v, ok(v), allowed); };
+}
+
+template <size_t N>
+Check<std::string> one_of(const std::array<std::string_view, N>& allowed) {
+  return [&allowed](const std::string& key, const std::string& v) { check_one_of(key, v, allowed); };
+}
+
+// A grammar's own parser (memory.recompute, memory.head): it throws the ConfigError.
+Check<std::string> parses_with(void (*parse)(const std::string&)) {
+  return [parse](const std::string&, const std::string& v) { parse(v); };
+}
+
+std::string trim(const std::string& s);
+
+// model.hidden: comma-separated positive integers.
+Check<std::string> positive_list() {
+  return [](const std::string& key, const std::string& value) {
+    std::stringstream ss(value);
+    for (std::string item; std::getline(ss, item, ',');) {
+      bool ok = false;
+      try {
+        size_t used = 0;
+        ok = std::stoll(trim(item), &used) > 0 && used == trim(item).size();
+      } catch (...) {
+      }
+      MEMTRAIN_CHECK(ok, ConfigError, "[config] ", key, " = '", value,
+                     "' is invalid: expected comma-separated positive integers, e.g. 256,128");
+    }
+  };
+}
 
 template <class T>
 std::string show_value(const T& v) {
@@ -42,7 +104,7 @@ std::string show_value(const T& v) {
 }
 
 template <class T>
-Entry entry(std::string key, T* field, std::string help, std::string group = "") {
+Entry entry(std::string key, T* field, std::string help, std::string group, Check<T> check = {}) {
   Entry e;
   e.key = key;
   e.help = help;
@@ -52,7 +114,13 @@ Entry entry(std::string key, T* field, std::string help, std::string group = "")
                     help.c_str());
   };
   e.show = [field] { return show_value(*field); };
+  if (check) e.check = [key, field, check] { check(key, *field); };
   return e;
+}
+
+template <class T>
+Entry entry(std::string key, T* field, std::string help, Check<T> check = {}) {
+  return entry(key, field, std::move(help), "", std::move(check));
 }
 
 std::vector<Entry> entries(Config& c) {
@@ -64,63 +132,63 @@ std::vector<Entry> entries(Config& c) {
   auto& l = c.log;
   auto& ck = c.checkpoint;
   return {
-      entry("model.name", &m.name, choices::join(choices::model_name)),
-      entry("model.preset", &m.preset, choices::join(choices::gpt_preset) + " (a preset fixes n_layer, n_head, n_embd, block_size)", "gpt"),
-      entry("model.n_layer", &m.n_layer, "transformer blocks (preset = custom only)", "gpt"),
-      entry("model.n_head", &m.n_head, "attention heads (preset = custom only)", "gpt"),
+      entry("model.name", &m.name, choices::join(choices::model_name), one_of(choices::model_name)),
+      entry("model.preset", &m.preset, choices::join(choices::gpt_preset) + " (a preset fixes n_layer, n_head, n_embd, block_size)", "gpt", one_of(choices::gpt_preset)),
+      entry("model.n_layer", &m.n_layer, "transformer blocks (preset = custom only)", "gpt", at_least<int64_t>(1)),
+      entry("model.n_head", &m.n_head, "attention heads (preset = custom only)", "gpt", at_least<int64_t>(1)),
       entry("model.n_embd", &m.n_embd, "embedding width (preset = custom only)", "gpt"),
-      entry("model.block_size", &m.block_size, "context length in tokens (preset = custom only)", "gpt"),
-      entry("model.vocab_size", &m.vocab_size, "vocabulary; 0 = from the data", "gpt"),
-      entry("model.dropout", &m.dropout, "dropout probability (attention, residual and embedding)", "gpt"),
+      entry("model.block_size", &m.block_size, "context length in tokens (preset = custom only)", "gpt", at_least<int64_t>(1)),
+      entry("model.vocab_size", &m.vocab_size, "vocabulary; 0 = from the data", "gpt", at_least<int64_t>(0, ">= 0 (0 = from the data)")),
+      entry("model.dropout", &m.dropout, "dropout probability (attention, residual and embedding)", "gpt", where<double>([](double v) { return v >= 0 && v < 1; }, "in [0, 1)")),
       entry("model.bias", &m.bias, "biases in the Linear layers", "gpt"),
-      entry("model.depth", &m.depth, "18 | 50", "resnet"),
-      entry("model.width", &m.width, "channels of the first stage", "resnet"),
-      entry("model.stem", &m.stem, choices::join(choices::resnet_stem) + " (small: 3x3 stem for 28x28 images)", "resnet"),
-      entry("model.hidden", &m.hidden, "comma-separated hidden widths", "mlp"),
-      entry("data.dataset", &d.dataset, choices::join(choices::dataset)),
+      entry("model.depth", &m.depth, "18 | 50", "resnet", where<int64_t>([](int64_t v) { return v == 18 || v == 50; }, "18 or 50")),
+      entry("model.width", &m.width, "channels of the first stage", "resnet", at_least<int64_t>(1)),
+      entry("model.stem", &m.stem, choices::join(choices::resnet_stem) + " (small: 3x3 stem for 28x28 images)", "resnet", one_of(choices::resnet_stem)),
+      entry("model.hidden", &m.hidden, "comma-separated hidden widths", "mlp", positive_list()),
+      entry("data.dataset", &d.dataset, choices::join(choices::dataset), one_of(choices::dataset)),
       entry("data.path", &d.path, "text file or Fashion-MNIST folder; empty = prepared cache"),
-      entry("data.val_fraction", &d.val_fraction, "fraction held out for validation, in [0, 0.5]"),
+      entry("data.val_fraction", &d.val_fraction, "fraction held out for validation, in [0, 0.5]", where<double>([](double v) { return v >= 0 && v <= 0.5; }, "in [0, 0.5]")),
       entry("data.tokens", &d.tokens,
             "text: token ids instead of bytes; a prepared BPE set (austen-bpe8192 | austen-bpe50257) or the path of a "
             "token file (llm.c's .bin or headerless uint16), memory-mapped; empty = byte-level"),
       entry("data.val_tokens", &d.val_tokens, "validation token file; empty = the tail val_fraction of data.tokens"),
       entry("data.token_format", &d.token_format,
-            choices::join(choices::token_format) + " (llmc: 256 x int32 header, magic 20240520; raw: headerless uint16)"),
-      entry("train.device", &t.device, choices::join(choices::device)),
-      entry("train.optimizer", &t.optimizer, choices::join(choices::optimizer) + " (adamw: ATen's fused kernel; adamw_loop: LibTorch's per-parameter AdamW)"),
-      entry("train.lr", &t.lr, "peak learning rate"),
+            choices::join(choices::token_format) + " (llmc: 256 x int32 header, magic 20240520; raw: headerless uint16)", one_of(choices::token_format)),
+      entry("train.device", &t.device, choices::join(choices::device), one_of(choices::device)),
+      entry("train.optimizer", &t.optimizer, choices::join(choices::optimizer) + " (adamw: ATen's fused kernel; adamw_loop: LibTorch's per-parameter AdamW)", one_of(choices::optimizer)),
+      entry("train.lr", &t.lr, "peak learning rate", where<double>([](double v) { return v > 0; }, "> 0")),
       entry("train.min_lr", &t.min_lr, "learning rate at the end of the cosine decay"),
-      entry("train.warmup_steps", &t.warmup_steps, "linear warm-up steps"),
-      entry("train.steps", &t.steps, "optimizer steps"),
-      entry("train.weight_decay", &t.weight_decay, "decoupled weight decay (matrices only)"),
-      entry("train.beta1", &t.beta1, "adamw beta1"),
-      entry("train.beta2", &t.beta2, "adamw beta2"),
-      entry("train.eps", &t.eps, "adamw epsilon"),
-      entry("train.momentum", &t.momentum, "sgd momentum"),
-      entry("train.grad_clip", &t.grad_clip, "max global gradient norm; 0 = off"),
-      entry("train.micro_batch", &t.micro_batch, "samples per micro-batch per rank"),
-      entry("train.accum_steps", &t.accum_steps, "micro-batches per optimizer step"),
-      entry("train.precision", &t.precision, choices::join(choices::precision) + " (fp16: CUDA only)"),
-      entry("train.param_dtype", &t.param_dtype, choices::join(choices::param_dtype) + " (bf16: bf16 parameters, fp32 master weights in the optimizer)"),
-      entry("train.loss_scale_init", &t.loss_scale_init, "fp16: initial loss scale"),
-      entry("train.loss_scale_growth", &t.loss_scale_growth, "fp16: scale multiplier after loss_scale_interval finite steps"),
-      entry("train.loss_scale_backoff", &t.loss_scale_backoff, "fp16: scale multiplier after an inf/NaN step"),
-      entry("train.loss_scale_interval", &t.loss_scale_interval, "fp16: finite steps before the scale grows"),
+      entry("train.warmup_steps", &t.warmup_steps, "linear warm-up steps", at_least<int64_t>(0)),
+      entry("train.steps", &t.steps, "optimizer steps", at_least<int64_t>(1)),
+      entry("train.weight_decay", &t.weight_decay, "decoupled weight decay (matrices only)", at_least<double>(0)),
+      entry("train.beta1", &t.beta1, "adamw beta1", where<double>([](double v) { return v >= 0 && v < 1; }, "in [0, 1)")),
+      entry("train.beta2", &t.beta2, "adamw beta2", where<double>([](double v) { return v >= 0 && v < 1; }, "in [0, 1)")),
+      entry("train.eps", &t.eps, "adamw epsilon", where<double>([](double v) { return v > 0; }, "> 0")),
+      entry("train.momentum", &t.momentum, "sgd momentum", where<double>([](double v) { return v >= 0 && v < 1; }, "in [0, 1)")),
+      entry("train.grad_clip", &t.grad_clip, "max global gradient norm; 0 = off", at_least<double>(0, ">= 0 (0 = off)")),
+      entry("train.micro_batch", &t.micro_batch, "samples per micro-batch per rank", at_least<int64_t>(1)),
+      entry("train.accum_steps", &t.accum_steps, "micro-batches per optimizer step", at_least<int64_t>(1)),
+      entry("train.precision", &t.precision, choices::join(choices::precision) + " (fp16: CUDA only)", one_of(choices::precision)),
+      entry("train.param_dtype", &t.param_dtype, choices::join(choices::param_dtype) + " (bf16: bf16 parameters, fp32 master weights in the optimizer)", one_of(choices::param_dtype)),
+      entry("train.loss_scale_init", &t.loss_scale_init, "fp16: initial loss scale", where<double>([](double v) { return v > 0; }, "> 0")),
+      entry("train.loss_scale_growth", &t.loss_scale_growth, "fp16: scale multiplier after loss_scale_interval finite steps", where<double>([](double v) { return v > 1; }, "> 1")),
+      entry("train.loss_scale_backoff", &t.loss_scale_backoff, "fp16: scale multiplier after an inf/NaN step", where<double>([](double v) { return v > 0 && v < 1; }, "in (0, 1)")),
+      entry("train.loss_scale_interval", &t.loss_scale_interval, "fp16: finite steps before the scale grows", at_least<int64_t>(1)),
       entry("train.seed", &t.seed, "seed for weights, data order and dropout"),
-      entry("train.eval_every", &t.eval_every, "evaluate every N steps; 0 = at the end only"),
-      entry("train.eval_batches", &t.eval_batches, "validation batches per evaluation"),
-      entry("train.threads", &t.threads, "intra-op CPU threads; 0 = LibTorch default"),
+      entry("train.eval_every", &t.eval_every, "evaluate every N steps; 0 = at the end only", at_least<int64_t>(0)),
+      entry("train.eval_batches", &t.eval_batches, "validation batches per evaluation", at_least<int64_t>(1)),
+      entry("train.threads", &t.threads, "intra-op CPU threads; 0 = LibTorch default", at_least<int64_t>(0)),
       entry("train.oom", &t.oom,
             choices::join(choices::oom) + " (out of memory in a step: retry it with half the micro-batch and twice the "
-            "accumulation, the same samples; or stop, naming the peak and the limit)"),
+            "accumulation, the same samples; or stop, naming the peak and the limit)", one_of(choices::oom)),
       entry("train.on_nonfinite", &t.on_nonfinite,
             choices::join(choices::on_nonfinite) + " (a non-finite loss or gradient norm without fp16: skip the update, "
-            "or stop the run; fp16's loss scaler skips such steps itself)"),
-      entry("train.max_nonfinite", &t.max_nonfinite, "consecutive skipped non-finite steps before the run stops"),
+            "or stop the run; fp16's loss scaler skips such steps itself)", one_of(choices::on_nonfinite)),
+      entry("train.max_nonfinite", &t.max_nonfinite, "consecutive skipped non-finite steps before the run stops", at_least<int64_t>(1)),
       entry("memory.track", &mem.track, "record per-step peak memory"),
-      entry("memory.recompute", &mem.recompute, "activation recomputation (checkpointing): none | all | every:K | attn | mlp | budget:MiB"),
+      entry("memory.recompute", &mem.recompute, "activation recomputation (checkpointing): none | all | every:K | attn | mlp | budget:MiB", parses_with([](const std::string& v) { RecomputePolicy::parse(v); })),
       entry("memory.offload", &mem.offload, "keep recomputed blocks' inputs in pinned CPU memory (CUDA)"),
-      entry("memory.head", &mem.head, "plain | fused | fused:ROWS (LM head + loss in chunks of ROWS tokens; the logits never exist whole)"),
+      entry("memory.head", &mem.head, "plain | fused | fused:ROWS (LM head + loss in chunks of ROWS tokens; the logits never exist whole)", parses_with([](const std::string& v) { parse_head_rows(v); })),
       entry("memory.estimate", &mem.estimate,
             "estimate each rank's peak before step 1 (model states from element counts, activations from a probe "
             "forward + backward at two small micro-batches) and print it beside the measured peak"),
@@ -131,40 +199,40 @@ std::vector<Entry> entries(Config& c) {
             "dist.offload_optimizer: the fastest whose estimate fits the budget less memory.budget_headroom"),
       entry("memory.budget_headroom", &mem.budget_headroom,
             "the share of memory.budget_mib that a planned setting's estimate must leave free, for the estimate's "
-            "error (measured within 3.2% of the peak on CPU, docs/benchmarks/estimate_cpu.md): in [0, 0.5)"),
+            "error (measured within 3.2% of the peak on CPU, docs/benchmarks/estimate_cpu.md): in [0, 0.5)", where<double>([](double v) { return v >= 0 && v < 0.5; }, "in [0, 0.5)")),
       entry("memory.snapshot", &mem.snapshot,
             "CUDA: record the caching allocator's history and write memory_snapshot.rank<N>.pickle at the end, for "
             "python -m torch.cuda._memory_viz trace_plot FILE -o memory_viz.html"),
       entry("memory.expandable_segments", &mem.expandable_segments,
             "CUDA: the caching allocator's expandable_segments (segments grow in place: less fragmentation)"),
       entry("memory.gc_threshold", &mem.gc_threshold,
-            "CUDA: the caching allocator's garbage_collection_threshold in (0, 1); 0 = off"),
+            "CUDA: the caching allocator's garbage_collection_threshold in (0, 1); 0 = off", where<double>([](double v) { return v >= 0 && v < 1; }, "in [0, 1) (0 = off)")),
       entry("memory.cuda_allocator", &mem.cuda_allocator,
             choices::join(choices::cuda_allocator) + " (CUDA: the caching allocator's backend; chosen before the first CUDA "
-            "allocation of the process)"),
+            "allocation of the process)", one_of(choices::cuda_allocator)),
       entry("memory.limit_mib", &mem.limit_mib,
             "this process's memory limit in MiB (CPU: enforced by the counting allocator; CUDA: the caching "
-            "allocator's fraction of the device); 0 = none"),
-      entry("dist.backend", &dist.backend, choices::join(choices::backend)),
-      entry("dist.timeout_s", &dist.timeout_s, "rendezvous and collective timeout in seconds"),
+            "allocator's fraction of the device); 0 = none", at_least<int64_t>(0, ">= 0 (0 = no limit)")),
+      entry("dist.backend", &dist.backend, choices::join(choices::backend), one_of(choices::backend)),
+      entry("dist.timeout_s", &dist.timeout_s, "rendezvous and collective timeout in seconds", at_least<int64_t>(1)),
       entry("dist.zero_stage", &dist.zero_stage,
             "0: data parallel, gradients all-reduced | 1: optimizer state (and fp32 masters) sharded over ranks | "
             "2: gradients sharded too | 3: parameters sharded too, each block's gathered just before it runs (forward and "
-            "backward) and freed after"),
-      entry("dist.prefetch", &dist.prefetch, "zero_stage 3: blocks gathered ahead of the one running (0: none)"),
+            "backward) and freed after", where<int64_t>([](int64_t v) { return v >= 0 && v <= 3; }, "0, 1, 2 or 3")),
+      entry("dist.prefetch", &dist.prefetch, "zero_stage 3: blocks gathered ahead of the one running (0: none)", at_least<int64_t>(0)),
       entry("dist.offload_optimizer", &dist.offload_optimizer,
             choices::join(choices::offload_optimizer) +
                 " (cpu: this rank's fp32 masters, optimizer state and reduced gradients live in host memory, pinned on "
-                "CUDA; the optimizer steps there; zero_stage 1-3; also in a single process: ZeRO-Offload on one device)"),
-      entry("dist.bucket_mib", &dist.bucket_mib, "gradient bucket size in MiB; a bucket's reduction starts when it is full"),
+                "CUDA; the optimizer steps there; zero_stage 1-3; also in a single process: ZeRO-Offload on one device)", one_of(choices::offload_optimizer)),
+      entry("dist.bucket_mib", &dist.bucket_mib, "gradient bucket size in MiB; a bucket's reduction starts when it is full", where<double>([](double v) { return v > 0; }, "> 0")),
       entry("dist.reduce", &dist.reduce,
             choices::join(choices::dist_reduce) +
                 " (step: accumulate micro-batches locally and reduce once, least traffic; micro_batch: reduce after "
-                "each, least memory with zero_stage 2)"),
-      entry("log.every", &l.every, "a log line every N steps"),
+                "each, least memory with zero_stage 2)", one_of(choices::dist_reduce)),
+      entry("log.every", &l.every, "a log line every N steps", at_least<int64_t>(1)),
       entry("log.dir", &l.dir, "folder for run outputs"),
       entry("log.name", &l.name, "run name; empty = config file stem"),
-      entry("log.progress", &l.progress, choices::join(choices::progress)),
+      entry("log.progress", &l.progress, choices::join(choices::progress), one_of(choices::progress)),
       entry("log.trace", &l.trace,
             "write trace.json (trace.rank<N>.json with several ranks): each step's phases, evaluations and saves "
             "with the running memory peak, for chrome://tracing or ui.perfetto.dev"),
@@ -173,17 +241,17 @@ std::vector<Entry> entries(Config& c) {
             "dist.zero_stage = 3 the spans include the block's gather)"),
       entry("log.peak_tflops", &l.peak_tflops,
             "the device's peak TFLOP/s for MFU; 0 = from memtrain's table of known GPUs by name and precision "
-            "(on CPU: MFU is not reported unless this is set)"),
+            "(on CPU: MFU is not reported unless this is set)", at_least<double>(0, ">= 0 (0 = from the table of known GPUs)")),
       entry("log.overwrite", &l.overwrite,
             "start over in a run folder that already holds a run (its metrics are truncated and its checkpoints "
             "deleted); false: such a folder is an error unless checkpoint.resume is set"),
       entry("checkpoint.dir", &ck.dir, "where checkpoints are saved; empty = <run>/checkpoints"),
       entry("checkpoint.every", &ck.every,
             "save the whole training state (step-00000N/: weights, optimizer, scaler, step) every N steps; 0 = only "
-            "at the end"),
+            "at the end", at_least<int64_t>(0)),
       entry("checkpoint.save_final", &ck.save_final,
             "when training ends: save the training state and the weights alone (model.safetensors)"),
-      entry("checkpoint.keep", &ck.keep, "training-state checkpoints kept: the newest K"),
+      entry("checkpoint.keep", &ck.keep, "training-state checkpoints kept: the newest K", at_least<int64_t>(1)),
       entry("checkpoint.resume", &ck.resume,
             "empty: start fresh | auto: continue from the newest complete checkpoint in checkpoint.dir (none: start "
             "fresh and say so) | a checkpoint folder"),
@@ -413,120 +481,42 @@ Config Config::load(const std::string& path, const std::vector<std::string>& raw
   return c;
 }
 
-namespace {
-template <size_t N>
-void check_one_of(const std::string& key, const std::string& value, const std::array<std::string_view, N>& allowed) {
-  for (auto a : allowed)
-    if (value == a) return;
-  throw ConfigError(detail::concat("[config] ", key, " = '", value, "' is not allowed; expected one of: ",
-                                   choices::join(allowed)));
-}
-
-template <class T>
-void check_range(const std::string& key, T value, bool ok, const char* allowed) {
-  MEMTRAIN_CHECK(ok, ConfigError, "[config] ", key, " = ", value, " is out of range: expected ", allowed);
-}
-
-}  // namespace
 
 void Config::validate() const {
-  check_one_of("model.name", model.name, choices::model_name);
-  check_one_of("model.preset", model.preset, choices::gpt_preset);
-  check_range("model.n_layer", model.n_layer, model.n_layer >= 1, ">= 1");
-  check_range("model.n_head", model.n_head, model.n_head >= 1, ">= 1");
+  // Each key's own rule, from its row of the table (entries()).
+  for (const auto& e : entries(const_cast<Config&>(*this)))
+    if (e.check) e.check();
+  // The rules that span keys.
   check_range("model.n_embd", model.n_embd, model.n_embd >= 1 && model.n_embd % model.n_head == 0,
               "a positive multiple of model.n_head");
-  check_range("model.block_size", model.block_size, model.block_size >= 1, ">= 1");
-  check_range("model.vocab_size", model.vocab_size, model.vocab_size >= 0, ">= 0 (0 = from the data)");
-  check_range("model.dropout", model.dropout, model.dropout >= 0 && model.dropout < 1, "in [0, 1)");
-  check_range("model.depth", model.depth, model.depth == 18 || model.depth == 50, "18 or 50");
-  check_range("model.width", model.width, model.width >= 1, ">= 1");
-  check_one_of("model.stem", model.stem, choices::resnet_stem);
-  {
-    std::stringstream ss(model.hidden);
-    std::string item;
-    while (std::getline(ss, item, ',')) {
-      bool ok = false;
-      try {
-        size_t used = 0;
-        ok = std::stoll(trim(item), &used) > 0 && used == trim(item).size();
-      } catch (...) {
-      }
-      MEMTRAIN_CHECK(ok, ConfigError, "[config] model.hidden = '", model.hidden,
-                     "' is invalid: expected comma-separated positive integers, e.g. 256,128");
-    }
-  }
-  check_one_of("data.dataset", data.dataset, choices::dataset);
-  check_one_of("data.token_format", data.token_format, choices::token_format);
   MEMTRAIN_CHECK(data.tokens.empty() || data.dataset == "text", ConfigError, "[config] data.tokens = ", data.tokens,
                  " needs data.dataset = text (token ids for a GPT), got ", data.dataset);
-  check_range("data.val_fraction", data.val_fraction, data.val_fraction >= 0 && data.val_fraction <= 0.5, "in [0, 0.5]");
-  check_one_of("train.device", train.device, choices::device);
-  check_one_of("train.optimizer", train.optimizer, choices::optimizer);
-  check_range("train.lr", train.lr, train.lr > 0, "> 0");
   check_range("train.min_lr", train.min_lr, train.min_lr >= 0 && train.min_lr <= train.lr, "in [0, train.lr]");
-  check_range("train.warmup_steps", train.warmup_steps, train.warmup_steps >= 0, ">= 0");
-  check_range("train.steps", train.steps, train.steps >= 1, ">= 1");
-  check_range("train.weight_decay", train.weight_decay, train.weight_decay >= 0, ">= 0");
-  check_range("train.beta1", train.beta1, train.beta1 >= 0 && train.beta1 < 1, "in [0, 1)");
-  check_range("train.beta2", train.beta2, train.beta2 >= 0 && train.beta2 < 1, "in [0, 1)");
-  check_range("train.eps", train.eps, train.eps > 0, "> 0");
-  check_range("train.momentum", train.momentum, train.momentum >= 0 && train.momentum < 1, "in [0, 1)");
-  check_range("train.grad_clip", train.grad_clip, train.grad_clip >= 0, ">= 0 (0 = off)");
-  check_range("train.micro_batch", train.micro_batch, train.micro_batch >= 1, ">= 1");
-  check_range("train.accum_steps", train.accum_steps, train.accum_steps >= 1, ">= 1");
-  check_one_of("train.precision", train.precision, choices::precision);
-  check_one_of("train.param_dtype", train.param_dtype, choices::param_dtype);
   MEMTRAIN_CHECK(!(train.param_dtype == "bf16" && train.precision == "fp16"), ConfigError,
                  "[config] train.param_dtype = bf16 with train.precision = fp16 mixes two half types; use "
                  "precision bf16 (or fp32) with bf16 parameters");
-  check_range("train.loss_scale_init", train.loss_scale_init, train.loss_scale_init > 0, "> 0");
-  check_range("train.loss_scale_growth", train.loss_scale_growth, train.loss_scale_growth > 1, "> 1");
-  check_range("train.loss_scale_backoff", train.loss_scale_backoff,
-              train.loss_scale_backoff > 0 && train.loss_scale_backoff < 1, "in (0, 1)");
-  check_range("train.loss_scale_interval", train.loss_scale_interval, train.loss_scale_interval >= 1, ">= 1");
-  check_range("train.eval_every", train.eval_every, train.eval_every >= 0, ">= 0");
-  check_range("train.eval_batches", train.eval_batches, train.eval_batches >= 1, ">= 1");
-  check_range("train.threads", train.threads, train.threads >= 0, ">= 0");
-  CheckpointPolicy::parse(memory.recompute);
-  parse_head_rows(memory.head);
-  check_one_of("dist.backend", dist.backend, choices::backend);
-  check_range("dist.timeout_s", dist.timeout_s, dist.timeout_s >= 1, ">= 1");
-  check_range("dist.zero_stage", dist.zero_stage, dist.zero_stage >= 0 && dist.zero_stage <= 3,
-              "0, 1, 2 or 3");
-  check_range("dist.bucket_mib", dist.bucket_mib, dist.bucket_mib > 0, "> 0");
-  check_one_of("dist.reduce", dist.reduce, choices::dist_reduce);
-  check_range("dist.prefetch", dist.prefetch, dist.prefetch >= 0, ">= 0");
-  check_one_of("dist.offload_optimizer", dist.offload_optimizer, choices::offload_optimizer);
   MEMTRAIN_CHECK(dist.offload_optimizer == "none" || dist.zero_stage >= 1, ConfigError,
                  "[config] dist.offload_optimizer = cpu needs dist.zero_stage = 1, 2 or 3 (it moves the sharded "
                  "optimizer's part to host memory); dist.zero_stage is 0");
   MEMTRAIN_CHECK(dist.offload_optimizer == "none" || train.precision != "fp16", ConfigError,
                  "[config] dist.offload_optimizer = cpu with train.precision = fp16 is not supported (the loss "
                  "scaler's inf check runs on the device); use bf16 or fp32");
-  check_range("log.every", log.every, log.every >= 1, ">= 1");
-  check_one_of("log.progress", log.progress, choices::progress);
-  check_range("log.peak_tflops", log.peak_tflops, log.peak_tflops >= 0, ">= 0 (0 = from the table of known GPUs)");
-  check_range("checkpoint.every", checkpoint.every, checkpoint.every >= 0, ">= 0");
-  check_range("checkpoint.keep", checkpoint.keep, checkpoint.keep >= 1, ">= 1");
-  check_one_of("train.oom", train.oom, choices::oom);
-  check_one_of("train.on_nonfinite", train.on_nonfinite, choices::on_nonfinite);
-  check_range("train.max_nonfinite", train.max_nonfinite, train.max_nonfinite >= 1, ">= 1");
-  check_range("memory.limit_mib", memory.limit_mib, memory.limit_mib >= 0, ">= 0 (0 = no limit)");
-  check_range("memory.gc_threshold", memory.gc_threshold, memory.gc_threshold >= 0 && memory.gc_threshold < 1,
-              "in [0, 1) (0 = off)");
-  check_one_of("memory.cuda_allocator", memory.cuda_allocator, choices::cuda_allocator);
-  check_range("memory.budget_headroom", memory.budget_headroom,
-              memory.budget_headroom >= 0 && memory.budget_headroom < 0.5, "in [0, 0.5)");
-  {
-    const auto& b = memory.budget_mib;
-    const bool planning = parse_budget_mib(b) != 0;
-    MEMTRAIN_CHECK(!planning || memory.recompute.rfind("budget:", 0) != 0, ConfigError,
-                   "[config] memory.budget_mib = ", b, " plans the recompute policy itself; memory.recompute = ",
-                   memory.recompute, " is another budget: set one of them");
-    MEMTRAIN_CHECK(!planning || (memory.track && memory.estimate), ConfigError, "[config] memory.budget_mib = ", b,
-                   " needs memory.track = true and memory.estimate = true (the planner works from the estimate)");
-  }
+  const auto& b = memory.budget_mib;
+  const bool planning = parse_budget_mib(b) != 0;  // its own grammar's check, with the recompute budget's below
+  MEMTRAIN_CHECK(!planning || memory.recompute.rfind("budget:", 0) != 0, ConfigError,
+                 "[config] memory.budget_mib = ", b, " plans the recompute policy itself; memory.recompute = ",
+                 memory.recompute, " is another budget: set one of them");
+  MEMTRAIN_CHECK(!planning || (memory.track && memory.estimate), ConfigError, "[config] memory.budget_mib = ", b,
+                 " needs memory.track = true and memory.estimate = true (the planner works from the estimate)");
+}
+
+std::map<std::string, std::string> Config::ini_values(const std::string& ini_text) {
+  std::istringstream in(ini_text);
+  po::options_description none;
+  std::map<std::string, std::string> out;
+  for (const auto& o : po::parse_config_file(in, none, /*allow_unregistered=*/true).options)
+    if (!o.value.empty()) out[o.string_key] = o.value.front();
+  return out;
 }
 
 std::string Config::to_ini() const {

@@ -11,7 +11,7 @@
 
 #include "memtrain/core/error.h"
 #include "memtrain/core/cpu_memory.h"
-#include "memtrain/core/safetensors.h"
+#include "memtrain/core/files.h"
 
 namespace memtrain {
 

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "memtrain/core/error.h"
+#include "memtrain/core/files.h"
 
 namespace memtrain {
 namespace {
@@ -23,64 +24,6 @@ const std::map<std::string, c10::ScalarType>& dtypes() {
       {"U8", torch::kByte},    {"BOOL", torch::kBool}};
   return m;
 }
-
-uint32_t crc_of(const void* data, size_t n, uint32_t crc = 0) {
-  // crc32_z takes a size_t length: files over 4 GiB are covered whole.
-  return static_cast<uint32_t>(crc32_z(crc, static_cast<const Bytef*>(data), n));
-}
-
-// A file written to path.tmp, fsynced and renamed over path by finish(); removed if never finished.
-class AtomicFile {
- public:
-  explicit AtomicFile(std::string path) : path_(std::move(path)), tmp_(path_ + ".tmp") {
-    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    MEMTRAIN_CHECK(fd_ >= 0, Error, "[io] cannot write '", tmp_, "': ", std::strerror(errno));
-  }
-  ~AtomicFile() {
-    if (fd_ >= 0) ::close(fd_), ::unlink(tmp_.c_str());
-  }
-  AtomicFile(const AtomicFile&) = delete;
-  AtomicFile& operator=(const AtomicFile&) = delete;
-
-  void write(const void* data, size_t n) {
-    const char* p = static_cast<const char*>(data);
-    for (size_t done = 0; done < n;) {
-      auto w = ::write(fd_, p + done, std::min<size_t>(n - done, size_t{1} << 30));
-      if (w < 0 && errno == EINTR) continue;
-      if (w <= 0)
-        throw Error(detail::concat("[io] writing '", tmp_, "' failed after ", written_ + done, " bytes: ",
-                                   std::strerror(w < 0 ? errno : ENOSPC), "; '", path_, "' is untouched"));
-      done += static_cast<size_t>(w);
-    }
-    written_ += n;
-  }
-  // On disk before the rename, so that a crash leaves either the old file or the whole new one.
-  void finish() {
-    const bool synced = ::fsync(fd_) == 0;
-    const int err = errno;
-    const bool closed = ::close(fd_) == 0;
-    fd_ = -1;
-    if (!synced || !closed) {
-      ::unlink(tmp_.c_str());
-      throw Error(detail::concat("[io] flushing '", tmp_, "' failed: ", std::strerror(synced ? errno : err), "; '", path_,
-                                 "' is untouched"));
-    }
-    std::error_code ec;
-    std::filesystem::rename(tmp_, path_, ec);
-    if (ec) {
-      ::unlink(tmp_.c_str());
-      throw Error(detail::concat("[io] renaming '", tmp_, "' to '", path_, "' failed: ", ec.message()));
-    }
-    auto dir = std::filesystem::path(path_).parent_path();
-    int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
-    if (dfd >= 0) ::fsync(dfd), ::close(dfd);  // the rename itself; best effort
-  }
-
- private:
-  std::string path_, tmp_;
-  int fd_ = -1;
-  uint64_t written_ = 0;
-};
 
 }  // namespace
 
@@ -95,26 +38,6 @@ std::optional<c10::ScalarType> safetensors_scalar_type(const std::string& name) 
   return it == dtypes().end() ? std::nullopt : std::optional<c10::ScalarType>(it->second);
 }
 
-void write_file_atomically(const std::string& path, const std::string& bytes) {
-  AtomicFile f(path);
-  f.write(bytes.data(), bytes.size());
-  f.finish();
-}
-
-std::string read_file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  MEMTRAIN_CHECK(in.good(), DataError, "[io] cannot open '", path, "'");
-  std::error_code ec;
-  const auto size = std::filesystem::file_size(path, ec);
-  MEMTRAIN_CHECK(!ec, DataError, "[io] cannot read the size of '", path, "': ", ec.message());
-  std::string bytes(size, '\0');
-  in.read(bytes.data(), static_cast<std::streamsize>(size));
-  MEMTRAIN_CHECK(static_cast<uint64_t>(in.gcount()) == size, DataError, "[io] short read of '", path, "' (",
-                 in.gcount(), " of ", size, " bytes)");
-  return bytes;
-}
-
-uint32_t crc32_of(const std::string& bytes) { return crc_of(bytes.data(), bytes.size()); }
 
 std::map<std::string, torch::Tensor> load_safetensors(const std::string& path) {
   return parse_safetensors(read_file_bytes(path), path);
@@ -136,7 +59,7 @@ std::map<std::string, torch::Tensor> parse_safetensors(const std::string& bytes,
     MEMTRAIN_CHECK(j.is_object(), DataError, "[safetensors] ", path, ": header is not a JSON object");
     if (j.contains("__metadata__") && j["__metadata__"].contains("crc32")) {
       auto expected = j["__metadata__"]["crc32"].get<std::string>();
-      auto actual = std::to_string(crc_of(data, data_len));
+      auto actual = std::to_string(crc32_of(data, data_len));
       MEMTRAIN_CHECK(expected == actual, DataError, "[safetensors] ", path, ": checksum mismatch (expected crc32 ",
                      expected, ", got ", actual, "): the file is corrupt");
     }
@@ -191,7 +114,7 @@ SavedFile save_safetensors(const std::string& path, const std::map<std::string, 
     MEMTRAIN_CHECK(!dtype.empty(), Error, "[safetensors] cannot save dtype ", t.scalar_type(), " of '", name, "'");
     const uint64_t n = static_cast<uint64_t>(t.numel()) * t.element_size();
     header[name] = {{"dtype", dtype}, {"shape", t.sizes().vec()}, {"data_offsets", {offset, offset + n}}};
-    if (n > 0) data_crc = crc_of(t.data_ptr(), n, data_crc);
+    if (n > 0) data_crc = crc32_of(t.data_ptr(), n, data_crc);
     offset += n;
     host.push_back(std::move(t));
   }
@@ -208,7 +131,7 @@ SavedFile save_safetensors(const std::string& path, const std::map<std::string, 
     if (t.numel() > 0) f.write(t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size());
   f.finish();
   // The whole file's CRC-32, from the header's and the data's (zlib combines them without a second pass).
-  const uint32_t head_crc = crc_of(text.data(), text.size(), crc_of(&len, 8));
+  const uint32_t head_crc = crc32_of(text.data(), text.size(), crc32_of(&len, 8));
   return {8 + len + offset, static_cast<uint32_t>(crc32_combine(head_crc, data_crc, static_cast<z_off_t>(offset)))};
 }
 

@@ -253,12 +253,6 @@ int64_t DataParallel::num_buckets() const { return static_cast<int64_t>(buckets_
 
 const torch::Tensor& DataParallel::bucket_parameters(int64_t k) const { return buckets_.at(static_cast<size_t>(k))->flat; }
 
-torch::Tensor DataParallel::bucket_part(int64_t k) const {
-  const auto& b = *buckets_.at(static_cast<size_t>(k));
-  if (options_.stage == 3) return b.part;
-  return options_.stage > 0 ? part(b.flat, group_->rank(), b.shard) : b.flat;
-}
-
 std::pair<int64_t, int64_t> DataParallel::owned_range(int64_t k) const {
   const auto& b = *buckets_.at(static_cast<size_t>(k));
   if (options_.stage == 0) return {0, b.size};
@@ -396,6 +390,10 @@ void DataParallel::outside_the_step(Collective&& collective) {
 
 void DataParallel::group_all_reduce_sum(torch::Tensor& t) {
   outside_the_step([&](ProcessGroup& g) { g.all_reduce_sum(t); });
+}
+
+void DataParallel::group_all_reduce_max(torch::Tensor& t) {
+  outside_the_step([&](ProcessGroup& g) { g.all_reduce_max(t); });
 }
 
 void DataParallel::group_all_gather(torch::Tensor& output, torch::Tensor& input) {
@@ -542,14 +540,6 @@ void DataParallel::prefetch_backward(int64_t unit) {
   // The reductions in flight end first, so their full gradients are gone before the gathered block comes.
   for (size_t k = 0; k < next_to_launch_; ++k) finish(*buckets_[k]);
   for (int64_t j = unit - 1; j >= std::max<int64_t>(0, unit - options_.prefetch); --j) gather_unit(j);
-}
-
-void DataParallel::gather_all() {
-  if (options_.stage != 3) return;
-  outside_the_step([&](ProcessGroup&) {
-    for (int64_t u = 0; u < num_units(); ++u) gather_unit(u);
-    for (int64_t u = 0; u < num_units(); ++u) wait_unit(u);
-  });
 }
 
 std::map<std::string, torch::Tensor> DataParallel::full_parameters(bool keep) {

@@ -87,15 +87,24 @@ memtrain::Config config_for(const std::string& name, int64_t steps) {
   return c;
 }
 
-// Trains step by step and prints the mean loss of the first and last 20 steps.
+// Trains step by step in this loop and prints the mean loss of the first and last 20 steps. The RunReport
+// writes the same run folder as Trainer::fit() (config.ini, metrics.jsonl, memory.rank0.jsonl, summary.json)
+// and the same console lines.
 void train(const std::string& name, std::shared_ptr<memtrain::Model> model, int64_t steps) {
   memtrain::Trainer trainer(config_for(name, steps), model, std::make_shared<BarsDataset>());
   std::cout << "== " << name << ": " << model->describe() << "\n";
+  memtrain::RunReport report(trainer);
   std::vector<torch::Tensor> losses;
-  for (int64_t s = 0; s < steps; ++s) losses.push_back(trainer.step().loss);  // read on the host below, once
+  for (int64_t s = 0; s < steps; ++s) {
+    auto r = trainer.step();
+    losses.push_back(r.loss);  // read on the host below, once
+    report.step(r);            // the step line and metrics.jsonl on log steps (log.every)
+  }
   auto mean = [&](int64_t from, int64_t to) { return torch::stack(std::vector(losses.begin() + from, losses.begin() + to)).mean().item<double>(); };
   const int64_t k = std::min<int64_t>(20, steps);
   auto eval = trainer.evaluate(trainer.data().val_batches(64, 4));
+  report.finish(eval);  // the memory tables
+  report.close();       // summary.json
   std::cout << name << " loss: first " << mean(0, k) << " last " << mean(steps - k, steps) << " | validation accuracy "
             << 100 * eval.accuracy << "%\n"
             << trainer.tracker().summary_table();

@@ -126,6 +126,16 @@ double GPT::train_flops_per_token() const {
   return 6.0 * n + 12.0 * o.n_layer * o.n_embd * o.block_size;
 }
 
+double GPT::block_activation_bytes(int64_t micro_batch, int64_t bytes_per_element) const {
+  // Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", section 4.1):
+  // a transformer layer stores s b h (34 + 5 a s / h) bytes with 16-bit activations (s the sequence, b the
+  // batch, h the width, a the heads; the 5 a s^2 b term is the attention scores, their softmax and its
+  // dropout mask). Scaled by the element size for fp32.
+  const double s = static_cast<double>(options_.block_size), b = static_cast<double>(micro_batch);
+  const double h = static_cast<double>(options_.n_embd), a = static_cast<double>(options_.n_head);
+  return s * b * h * (34 + 5 * a * s / h) * static_cast<double>(bytes_per_element) / 2;
+}
+
 double GPT::train_flops_per_sample() const { return train_flops_per_token() * options_.block_size; }
 
 std::string GPT::describe() const {

@@ -11,6 +11,7 @@
 // Launched once per device, torchrun-style (RANK, WORLD_SIZE, LOCAL_RANK, ... from the environment).
 #include <signal.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <iostream>
 #include <map>
@@ -107,6 +108,39 @@ int estimate(const memtrain::Config& config, int ranks) {
   std::cout << "json: " << e.to_json() << "\n";
   return 0;
 }
+
+// The subcommands; training itself takes none.
+constexpr const char* kSubcommands[] = {"estimate"};
+
+// Edits (insertions, deletions, substitutions) between two words: Levenshtein's distance.
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// A first word that is neither an option nor a subcommand ("memtrain estimat --config X"): an error naming the
+// subcommands and the closest one, rather than a training run that silently ignores it.
+std::string unknown_subcommand(const std::string& word) {
+  std::string names, closest;
+  size_t best = std::string::npos;
+  for (const char* s : kSubcommands) {
+    names += std::string(names.empty() ? "" : ", ") + s;
+    if (const auto d = edit_distance(word, s); d < best) best = d, closest = s;
+  }
+  std::string hint = best <= std::max<size_t>(2, word.size() / 3) ? " (did you mean '" + closest + "'?)" : "";
+  return "memtrain: '" + word + "' is not a subcommand" + hint + "; the subcommands are: " + names +
+         ". Training takes none: memtrain --config FILE.ini [--section.key=value ...]";
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -122,6 +156,10 @@ int main(int argc, char** argv) {
   bool print_only = false;
   // memtrain estimate [--ranks N] [--config X] [overrides]: the memory estimate, without training.
   const bool estimate_only = argc > 1 && std::string(argv[1]) == "estimate";
+  if (argc > 1 && argv[1][0] != '-' && !estimate_only) {
+    std::cerr << unknown_subcommand(argv[1]) << "\n";
+    return 2;
+  }
   int estimate_ranks = 0;
   for (int i = estimate_only ? 2 : 1; i < argc; ++i) {
     std::string a = argv[i];

@@ -113,4 +113,26 @@ OptimizerOptions optimizer_options(const TrainOptions& t) {
   return o;
 }
 
+CosineScheduleOptions schedule_options(const TrainOptions& t) {
+  return {.peak = t.lr, .min = t.min_lr, .warmup_steps = t.warmup_steps, .total_steps = t.steps};
+}
+
+GradScalerOptions scaler_options(const TrainOptions& t) {
+  return {.init_scale = t.loss_scale_init,
+          .growth_factor = t.loss_scale_growth,
+          .backoff_factor = t.loss_scale_backoff,
+          .growth_interval = t.loss_scale_interval};
+}
+
+DataParallelOptions data_parallel_options(const Config& c, bool bf16_parameters, const std::vector<int64_t>& units) {
+  const auto& d = c.dist;
+  return {.stage = static_cast<int>(d.zero_stage),
+          .bucket_mib = d.bucket_mib,
+          .reduce_every_micro_batch = d.reduce == "micro_batch" || bf16_parameters || d.zero_stage == 3,
+          .master_weights = bf16_parameters,
+          .units = d.zero_stage == 3 ? units : std::vector<int64_t>{},
+          .prefetch = d.prefetch,
+          .offload = d.offload_optimizer == "cpu"};
+}
+
 }  // namespace memtrain

@@ -3,12 +3,32 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/DeviceGuard.h>
+#include <torch/nn/modules/batchnorm.h>
 
 #include <map>
+#include <set>
 
 #include "memtrain/core/error.h"
 
 namespace memtrain {
+
+void cast_to_bf16_keeping_batch_norm(torch::nn::Module& module) {
+  std::set<const void*> keep_fp32;
+  for (const auto& m : module.modules(/*include_self=*/true)) {
+    const auto* mod = m.get();
+    const bool batch_norm = dynamic_cast<const torch::nn::BatchNorm1dImpl*>(mod) != nullptr ||
+                            dynamic_cast<const torch::nn::BatchNorm2dImpl*>(mod) != nullptr ||
+                            dynamic_cast<const torch::nn::BatchNorm3dImpl*>(mod) != nullptr;
+    if (!batch_norm) continue;
+    for (const auto& p : m->parameters(/*recurse=*/false)) keep_fp32.insert(p.unsafeGetTensorImpl());
+    for (const auto& b : m->buffers(/*recurse=*/false)) keep_fp32.insert(b.unsafeGetTensorImpl());
+  }
+  auto to_bf16 = [&](torch::Tensor& t) {
+    if (t.is_floating_point() && !keep_fp32.count(t.unsafeGetTensorImpl())) t.set_data(t.data().to(torch::kBFloat16));
+  };
+  for (auto& p : module.parameters()) to_bf16(p);
+  for (auto& b : module.buffers()) to_bf16(b);
+}
 
 Precision parse_precision(const std::string& name) {
   if (name == "fp32") return Precision::kFp32;

@@ -15,6 +15,7 @@
 
 #include "memtrain/core/cpu_memory.h"
 #include "memtrain/core/error.h"
+#include "memtrain/runtime/device.h"
 #include "memtrain/runtime/trainer.h"
 
 namespace memtrain {
@@ -46,6 +47,14 @@ class DropGradients {
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
 };
 
+// Two points on the line bytes(m): half and a quarter of the configured micro-batch (1 and the batch when it
+// is 2 or 3; one point when it is 1).
+std::pair<int64_t, int64_t> probe_points(int64_t micro_batch) {
+  int64_t m1 = std::max<int64_t>(1, micro_batch / 2), m0 = std::max<int64_t>(1, m1 / 2);
+  if (m0 == m1 && micro_batch > 1) m1 = micro_batch;  // 2 or 3: probe 1 and the batch itself
+  return {m0, m1};
+}
+
 // Time can only grow with the batch, and never starts below zero: noise that says otherwise is clamped.
 void clamp_probe_times(ActivationProbe& p) {
   const auto m0 = p.micro_batch[0], m1 = p.micro_batch[1];
@@ -60,12 +69,8 @@ void clamp_probe_times(ActivationProbe& p) {
 int64_t Trainer::probe_activations(int64_t micro_batch, bool keep_grads, double* ms) {
   const c10::Device measured = memory_device();
   // What the probe's forward changes besides gradients: BatchNorm's running statistics (restored after).
-  std::vector<torch::Tensor> buffers, saved;
-  {
-    torch::NoGradGuard no_grad;
-    for (const auto& b : model_->buffers())
-      if (b.is_floating_point()) buffers.push_back(b), saved.push_back(b.clone());
-  }
+  FloatingBuffers saved;
+  saved.save(*model_);
   auto clear_grads = [&] {
     model_->zero_grad(/*set_to_none=*/true);
     for (auto& m : master_) m.mutable_grad().reset();
@@ -76,8 +81,7 @@ int64_t Trainer::probe_activations(int64_t micro_batch, bool keep_grads, double*
     ~Restore() { f(); }
   } restore{[&] {
     clear_grads();
-    torch::NoGradGuard no_grad;
-    if (!buffers.empty()) torch::_foreach_copy_(buffers, saved);
+    saved.restore(*model_);
   }};
   std::optional<DropGradients> drop;
   if (!keep_grads) drop.emplace(params_);
@@ -98,11 +102,7 @@ int64_t Trainer::probe_activations(int64_t micro_batch, bool keep_grads, double*
 }
 
 ActivationProbe Trainer::probe(bool keep_grads) {
-  // Two points on the line bytes(m): half and a quarter of the configured micro-batch (1 and the batch when it
-  // is 2 or 3; one point when it is 1).
-  const int64_t mb = config_.train.micro_batch;
-  int64_t m1 = std::max<int64_t>(1, mb / 2), m0 = std::max<int64_t>(1, m1 / 2);
-  if (m0 == m1 && mb > 1) m1 = mb;  // 2 or 3: probe 1 and the batch itself
+  const auto [m0, m1] = probe_points(config_.train.micro_batch);
   return probe_at(m0, m1, keep_grads);
 }
 
@@ -137,21 +137,11 @@ int64_t Trainer::budget_bytes() const {
   const double mib = parse_budget_mib(config_.memory.budget_mib);
   if (mib > 0) return static_cast<int64_t>(mib * 1024 * 1024);
   // auto: what is in use now (the estimate counts it) and 90% of what is free.
-  if (device_.is_cuda()) {
-    size_t free = 0, total = 0;
-    MEMTRAIN_CHECK(cudaMemGetInfo(&free, &total) == cudaSuccess, Error, "[planner] cudaMemGetInfo failed on ", device_.str());
-    return read_counters(device_).allocated + static_cast<int64_t>(0.9 * static_cast<double>(free));
-  }
-  std::ifstream meminfo("/proc/meminfo");
-  int64_t available_kib = -1;
-  for (std::string key; meminfo >> key;) {
-    int64_t v = 0;
-    meminfo >> v;
-    if (key == "MemAvailable:") available_kib = v;
-    meminfo.ignore(256, '\n');
-  }
-  MEMTRAIN_CHECK(available_kib > 0, Error, "[planner] memory.budget_mib = auto: no MemAvailable in /proc/meminfo");
-  return cpu_memory::current() + static_cast<int64_t>(0.9 * static_cast<double>(available_kib) * 1024);
+  const int64_t free = free_device_bytes(device_);
+  MEMTRAIN_CHECK(free > 0, Error, "[planner] memory.budget_mib = auto: the free memory of ", device_.str(),
+                 " cannot be read (cudaMemGetInfo, or MemAvailable in /proc/meminfo)");
+  const int64_t in_use = device_.is_cuda() ? read_counters(device_).allocated : cpu_memory::current();
+  return in_use + static_cast<int64_t>(0.9 * static_cast<double>(free));
 }
 
 void Trainer::plan_to_budget() {
@@ -190,7 +180,7 @@ void Trainer::plan_to_budget() {
   const bool timed = world_.world_size == 1;  // several ranks: every rank must reach the same plan, untimed
   plan_candidates_.clear();
   auto use = [&](const std::string& policy, const std::string& head) {
-    policy_ = CheckpointPolicy::parse(policy);
+    policy_ = RecomputePolicy::parse(policy);
     policy_.offload = m.offload;
     head_rows_ = parse_head_rows(head);
   };
@@ -278,7 +268,7 @@ void Trainer::correct_plan(int64_t measured_peak) {
   config_.train.micro_batch = plan.chosen.micro_batch, config_.train.accum_steps = plan.chosen.accum_steps;
   data_->set_accum_steps(config_.train.accum_steps);
   config_.memory.recompute = plan.chosen.recompute, config_.memory.head = plan.chosen.head;
-  policy_ = CheckpointPolicy::parse(plan.chosen.recompute);
+  policy_ = RecomputePolicy::parse(plan.chosen.recompute);
   policy_.offload = config_.memory.offload;
   head_rows_ = parse_head_rows(plan.chosen.head);
 }
@@ -304,15 +294,55 @@ EstimateInputs Trainer::estimate_inputs(int world) const {
   in.accum_steps = config_.train.accum_steps;
   in.reduce_every_micro_batch = d.reduce == "micro_batch" || param_dtype_ != torch::kFloat;  // as DataParallel's setup
   if (policy_.budget_unresolved()) in.budget_bytes = static_cast<int64_t>(policy_.budget_mib * 1024 * 1024);
-  const bool sharded = world > 1 || in.offload;
+  const bool sharded = this->sharded(world);
   in.probe = sharded ? probe_drop_ : probe_keep_;
   if (!sharded) in.probe_dropped = probe_drop_;
   return in;
 }
 
+void Trainer::check_probe_fits(int64_t micro_batch) const {
+  // The probe's own activations, by the model's published formula, before it allocates them: blocks the
+  // policy recomputes keep their input (micro_batch x context x width elements), the others what the
+  // formula says, and one recomputed block is whole again in its backward. Selective (part) policies are not
+  // checked (the formula does not split a block).
+  const int64_t element = precision_ == Precision::kFp32 ? 4 : 2;
+  const double block = model_->block_activation_bytes(micro_batch, element);
+  if (block <= 0 || policy_.mode == RecomputePolicy::Mode::kPart) {
+    if (world_.is_main())
+      std::cout << "memory estimate: probing the activations of one forward + backward at micro-batch " << micro_batch
+                << "\n" << std::flush;
+    return;
+  }
+  const double input = static_cast<double>(micro_batch * model_->tokens_per_sample() * element) *
+                       static_cast<double>(config_.model.n_embd);
+  double bytes = 0;
+  bool any_recomputed = false;
+  for (int64_t i = 0; i < model_->num_blocks(); ++i) {
+    const bool recomputed = policy_.checkpoints_block(i);
+    bytes += recomputed ? input : block;
+    any_recomputed = any_recomputed || recomputed;
+  }
+  if (any_recomputed) bytes += block;
+  const int64_t free = free_device_bytes(memory_device());
+  if (world_.is_main())
+    std::cout << "memory estimate: probing the activations of one forward + backward at micro-batch " << micro_batch
+              << " (about " << format_bytes(static_cast<int64_t>(bytes)) << " by the model's formula; "
+              << (free >= 0 ? format_bytes(free) + " free" : std::string("free memory unknown")) << ")\n"
+              << std::flush;
+  MEMTRAIN_CHECK(free < 0 || bytes <= static_cast<double>(free), Error, "[memory] this run cannot fit: the memory "
+                 "estimate's probe, one forward + backward at micro-batch ", micro_batch, " (half of train.micro_batch = ",
+                 config_.train.micro_batch, "), needs about ", format_bytes(static_cast<int64_t>(bytes)),
+                 " of activations by the model's published formula (Korthikanti et al. 2022 for a transformer), and ",
+                 memory_device().str(), " has ", format_bytes(free), " free (",
+                 memory_device().is_cuda() ? "cudaMemGetInfo" : "MemAvailable in /proc/meminfo",
+                 "); the run itself needs more. Lower train.micro_batch or the context (model.block_size), or recompute "
+                 "(memory.recompute = all)");
+}
+
 void Trainer::make_estimate() {
   if (config_.memory.estimate && can_measure() && !policy_.budget_unresolved()) {
     const bool sharded = this->sharded(world_.world_size);
+    check_probe_fits(probe_points(config_.train.micro_batch).second);
     try {
       (sharded ? probe_drop_ : probe_keep_) = probe(/*keep_grads=*/!sharded);
       if (!sharded && config_.train.accum_steps > 1) probe_drop_ = probe(/*keep_grads=*/false);

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "memtrain/core/error.h"
+#include "memtrain/runtime/run_report.h"
 #include "memtrain/runtime/trainer.h"
 #include "stop_signals.h"
 
@@ -21,23 +22,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// `key = value` lines of an INI text under their sections ("train.lr" -> "1e-3"), for comparing configs.
-std::map<std::string, std::string> ini_values(const std::string& text) {
-  std::map<std::string, std::string> out;
-  std::istringstream in(text);
-  std::string line, section;
-  while (std::getline(in, line)) {
-    if (line.empty() || line[0] == '#') continue;
-    if (line.front() == '[' && line.back() == ']') {
-      section = line.substr(1, line.size() - 2);
-      continue;
-    }
-    const auto eq = line.find(" = ");
-    if (eq != std::string::npos) out[section + "." + line.substr(0, eq)] = line.substr(eq + 3);
-  }
-  return out;
-}
-
 std::string plan_text(const std::vector<bool>& blocks) {
   std::string s;
   for (bool b : blocks) s += b ? '1' : '0';
@@ -45,13 +29,6 @@ std::string plan_text(const std::vector<bool>& blocks) {
 }
 
 }  // namespace
-
-bool Trainer::agree(bool ok) {
-  if (!dp_) return ok;
-  auto failures = torch::full({1}, ok ? 0.0 : 1.0, torch::TensorOptions().dtype(torch::kDouble).device(device_));
-  dp_->group_all_reduce_sum(failures);
-  return failures.item<double>() == 0;
-}
 
 std::vector<ShardPiece> Trainer::state_pieces() const {
   std::vector<ShardPiece> out;
@@ -132,16 +109,9 @@ std::string Trainer::save_checkpoint() {
   fail_unless_all("writing the ranks' files");
   // Rank 0 writes every file's size and checksum into the manifest: two int64 per rank, all-gathered.
   std::vector<SavedFile> files(static_cast<size_t>(world_.world_size));
-  if (dp_) {
-    auto local = torch::tensor({static_cast<int64_t>(mine.bytes), static_cast<int64_t>(mine.crc32)}, torch::kLong).to(device_);
-    auto all = torch::empty({2 * world_.world_size}, local.options());
-    dp_->group_all_gather(all, local);
-    const auto host = all.cpu();
-    for (int r = 0; r < world_.world_size; ++r)
-      files[r] = {static_cast<uint64_t>(host[2 * r].item<int64_t>()), static_cast<uint32_t>(host[2 * r + 1].item<int64_t>())};
-  } else {
-    files[0] = mine;
-  }
+  const auto rows = agreement().gather_rows(torch::tensor({static_cast<int64_t>(mine.bytes), static_cast<int64_t>(mine.crc32)}));
+  for (int r = 0; r < world_.world_size; ++r)
+    files[r] = {static_cast<uint64_t>(rows[r][0].item<int64_t>()), static_cast<uint32_t>(rows[r][1].item<int64_t>())};
   std::string folder = checkpoint_folder(ckpt_dir_, step_);
   if (main) attempt([&] {
       CheckpointMeta meta;
@@ -154,7 +124,7 @@ std::string Trainer::save_checkpoint() {
                      {"precision", config_.train.precision},
                      {"micro_batch_split", std::to_string(split_)},
                      {"nonfinite_run", std::to_string(nonfinite_run_)}};
-      if (policy_.mode == CheckpointPolicy::Mode::kBudget && !policy_.blocks.empty())
+      if (policy_.mode == RecomputePolicy::Mode::kBudget && !policy_.blocks.empty())
         meta.fields["recompute_plan"] = plan_text(policy_.blocks);
       folder = commit_checkpoint(ckpt_dir_, meta, files, config_.checkpoint.keep);
     });
@@ -246,7 +216,7 @@ void Trainer::load_checkpoint(const std::string& path) {
   for (auto& [name, b] : buffers) b.copy_(T.at("buffer/" + name));
   if (scaler_ && T.count("scaler/scale") && T.count("scaler/growth_tracker"))
     scaler_->load_state(T.at("scaler/scale"), T.at("scaler/growth_tracker"));
-  if (!plan.empty() && policy_.mode == CheckpointPolicy::Mode::kBudget) {
+  if (!plan.empty() && policy_.mode == RecomputePolicy::Mode::kBudget) {
     policy_.blocks.clear();
     for (char c : plan) policy_.blocks.push_back(c == '1');
   }
@@ -265,7 +235,7 @@ void Trainer::load_checkpoint(const std::string& path) {
               << std::defaultfloat;
     if (scaler_ && !T.count("scaler/scale")) std::cout << "            (no loss-scaler state in it: the scale starts afresh)\n";
     // Settings that change the training itself and differ from the checkpoint's: said, not refused.
-    const auto before = ini_values(field("config")), now = ini_values(config_.to_ini());
+    const auto before = Config::ini_values(field("config")), now = Config::ini_values(config_.to_ini());
     for (const auto& [key, value] : now) {
       if (key.rfind("log.", 0) == 0 || key.rfind("checkpoint.", 0) == 0) continue;
       auto it = before.find(key);
@@ -279,7 +249,7 @@ void Trainer::load_checkpoint(const std::string& path) {
 void Trainer::resume_or_refuse() {
   const auto& ck = config_.checkpoint;
   const bool main = world_.is_main();
-  const auto metrics = fs::path(run_dir_) / "metrics.jsonl";
+  const auto metrics = fs::path(RunReport::metrics_file(run_dir_));
   std::string path;
   if (ck.resume.empty()) {
     // Every rank looks (a folder local to one node shows the run to its ranks only); all refuse together.
@@ -339,44 +309,8 @@ void Trainer::resume_or_refuse() {
   }
 }
 
-namespace {
-volatile std::sig_atomic_t g_stop_signal = 0;
-
-extern "C" void on_stop_signal(int sig) {
-  if (g_stop_signal != 0) _exit(128 + sig);  // the second one: at once
-  g_stop_signal = sig;
-  static const char msg[] = "memtrain: stop requested: finishing this step and saving a checkpoint (again: exit now)\n";
-  [[maybe_unused]] auto n = ::write(STDERR_FILENO, msg, sizeof msg - 1);
-}
-}  // namespace
-
 bool Trainer::stop_requested() {
-  double mine = g_stop_signal;
-  if (!dp_) return mine != 0;
-  auto any = torch::full({1}, mine, torch::TensorOptions().dtype(torch::kDouble).device(device_));
-  dp_->group_all_reduce_sum(any);  // a signal to any rank stops them all after the same step
-  return any.item<double>() != 0;
+  return agreement().any(detail::StopSignals::received() != 0);  // a signal to any rank stops them all after the same step
 }
 
 }  // namespace memtrain
-
-namespace memtrain::detail {
-
-StopSignals::StopSignals() {
-  g_stop_signal = 0;
-  struct sigaction sa {};
-  sa.sa_handler = on_stop_signal;
-  sa.sa_flags = SA_RESTART;  // a write to a pipe interrupted by the signal goes on (std::cout stays good)
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGTERM, &sa, &old_term_);
-  sigaction(SIGINT, &sa, &old_int_);
-}
-
-StopSignals::~StopSignals() {
-  sigaction(SIGTERM, &old_term_, nullptr);
-  sigaction(SIGINT, &old_int_, nullptr);
-}
-
-int StopSignals::received() { return g_stop_signal; }
-
-}  // namespace memtrain::detail

@@ -11,7 +11,11 @@
 namespace memtrain {
 namespace {
 
-TextDataOptions text_options(const std::string& path) { return {.path = path, .block_size = 8}; }
+TextDataOptions text_options(const std::string& path) {
+  TextDataOptions o;
+  o.path = path, o.block_size = 8;
+  return o;
+}
 
 std::string alphabet_text(test::TempDir& dir) {
   std::string s;

@@ -154,7 +154,8 @@ int main(int argc, char** argv) {
                    "step " + std::to_string(s) + " pre-clip grad norm " + sci(norm) + " vs " + run_name + " " + sci(want_norm));
     }
 
-    trainer.data_parallel()->gather_all();  // stage 3: the full parameters (collective); no-op otherwise
+    // Stage 3 holds parts only: every rank joins in gathering the full parameters, rank 0 keeps them (by name).
+    const auto full = trainer.data_parallel()->full_parameters(main);
     if (main) {
       // Every parameter after the last step (the losses only show the updates before it), against the
       // reference run chosen above. One exception (AdamW only), as in
@@ -167,7 +168,7 @@ int main(int argc, char** argv) {
       for (const auto& item : gpt->named_parameters()) {
         const auto& name = item.key();
         const auto& expected = ref.at(prefix + name);
-        const auto p = item.value().detach();
+        const auto p = full.count(name) ? full.at(name) : item.value().detach();
         ++compared;
         if (!sgd && name.ends_with("attn.c_attn.bias")) {
           auto query_value = [&](const torch::Tensor& b) { return torch::cat({b.slice(0, 0, C), b.slice(0, 2 * C)}); };

@@ -9,7 +9,7 @@
 #include "memtrain/core/error.h"
 #include "memtrain/data/datasets.h"
 #include "memtrain/models/module_model.h"
-#include "memtrain/runtime/checkpointing.h"
+#include "memtrain/runtime/recompute.h"
 #include "memtrain/runtime/trainer.h"
 
 namespace memtrain {
@@ -41,7 +41,7 @@ TEST(ModuleModel, CheckpointedBlocksGiveTheSameGradients) {
   auto y = torch::randint(0, 10, {6}, torch::kLong);
   auto grads = [&](const std::string& policy) {
     model.zero_grad(true);
-    model.loss(forward_with_checkpointing(model, x, CheckpointPolicy::parse(policy)), y).backward();
+    model.loss(forward_with_checkpointing(model, x, RecomputePolicy::parse(policy)), y).backward();
     std::vector<torch::Tensor> g;
     for (const auto& p : model.parameters()) g.push_back(p.grad().clone());
     return g;

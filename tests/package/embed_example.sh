@@ -27,4 +27,11 @@ for net in cnn gru; do
        printf "ok: %s loss %g -> %g\n", f[1], first, last }'
 done
 grep -q "peak" "$WORK/out.txt" || { echo "FAIL: no memory table"; exit 1; }
+# The embedder's own loop wrote the run folder through memtrain::RunReport, as fit() does.
+for net in cnn gru; do
+  for f in config.ini metrics.jsonl memory.rank0.jsonl summary.json; do
+    [ -s "${TMPDIR:-/tmp}/memtrain-embed/$net/$f" ] || { echo "FAIL: $net: no $f from RunReport"; exit 1; }
+  done
+  grep -q '"steps": 200' "${TMPDIR:-/tmp}/memtrain-embed/$net/summary.json" || { echo "FAIL: $net: summary.json"; exit 1; }
+done
 echo "embed example: built against the installed package and trained"

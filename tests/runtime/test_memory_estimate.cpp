@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <chrono>
+
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
@@ -200,6 +202,46 @@ TEST(MemoryEstimate, EstimateCommandPrintsEveryStage) {
   EXPECT_NE(test::shell(test::binary("memtrain") + " estimate --ranks zero 2>&1", &code).find("--ranks 'zero'"),
             std::string::npos);
   EXPECT_EQ(code, 2);
+}
+
+TEST(MemoryEstimate, AnImpossibleShapeStopsBeforeTheProbeNamingTheFreeMemory) {
+  // The default job with a context of 100,000: by Korthikanti et al.'s s b h (34 + 5 a s / h) bytes per layer at
+  // 16 bits, doubled for fp32, the probe's micro-batch of 8 alone needs 4 x 100000 x 8 x 128 x (34 + 5 x 4 x
+  // 100000 / 128) x 2 bytes, about 12.8 TB: far past any machine's free memory. An error in seconds naming both,
+  // instead of minutes of allocation and the kernel's kill.
+  const double s = 100000, b = 8, h = 128, a = 4, layers = 4;
+  const double bytes = layers * s * b * h * (34 + 5 * a * s / h) * 2;
+  int code = -1;
+  const auto begin = std::chrono::steady_clock::now();
+  const auto out = test::shell(test::binary("memtrain") + " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
+                                   " --model.block_size=100000 --log.dir=" + test::run_root() + " 2>&1",
+                               &code);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+  EXPECT_EQ(code, 2) << out;
+  EXPECT_LT(seconds, 60) << out;
+  EXPECT_NE(out.find("memory estimate: probing the activations of one forward + backward at micro-batch 8 (about " +
+                     format_bytes(static_cast<int64_t>(bytes))),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("[memory] this run cannot fit"), std::string::npos) << out;
+  EXPECT_NE(out.find("free (MemAvailable in /proc/meminfo)"), std::string::npos) << out;
+}
+
+TEST(MemoryEstimate, AMistypedSubcommandIsAnErrorNamingTheClosestOne) {
+  // "estimat" is one edit from "estimate": an error before anything is built, not a training run.
+  int code = -1;
+  const auto out = test::shell(test::binary("memtrain") + " estimat --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
+                                   " 2>&1",
+                               &code);
+  EXPECT_EQ(code, 2) << out;
+  EXPECT_NE(out.find("'estimat' is not a subcommand (did you mean 'estimate'?); the subcommands are: estimate"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("model:"), std::string::npos) << "it started a run:\n" << out;
+  // A word far from every subcommand gets no guess.
+  const auto far = test::shell(test::binary("memtrain") + " frobnicate 2>&1", &code);
+  EXPECT_EQ(code, 2) << far;
+  EXPECT_NE(far.find("'frobnicate' is not a subcommand; the subcommands are: estimate"), std::string::npos) << far;
 }
 
 TEST(Evaluation, TheFusedHeadGivesThePlainLossWithoutWholeLogitsAndItsPeakIsTracked) {

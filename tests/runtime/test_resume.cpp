@@ -95,15 +95,15 @@ TEST(Resume, TheBudgetPlanIsSavedAndRestored) {
   c.checkpoint.dir = dir.path("checkpoints");
   Trainer first(c);
   run_steps(first, 2);
-  const auto plan = first.checkpoint_policy().blocks;
+  const auto plan = first.recompute_policy().blocks;
   ASSERT_EQ(plan.size(), 4u);
   const auto path = first.save_checkpoint();
   Trainer resumed(c);
-  ASSERT_TRUE(resumed.checkpoint_policy().budget_unresolved());
+  ASSERT_TRUE(resumed.recompute_policy().budget_unresolved());
   resumed.load_checkpoint(path);
   // The plan comes from the checkpoint, before any step could measure one.
-  EXPECT_FALSE(resumed.checkpoint_policy().budget_unresolved());
-  EXPECT_EQ(resumed.checkpoint_policy().blocks, plan);
+  EXPECT_FALSE(resumed.recompute_policy().budget_unresolved());
+  EXPECT_EQ(resumed.recompute_policy().blocks, plan);
   EXPECT_NE(std::count(plan.begin(), plan.end(), true), 4);
 }
 

@@ -9,13 +9,14 @@
 // Finer-grained headers live under memtrain/core, models, data, optim, distributed and runtime.
 #pragma once
 
-#include "memtrain/core/checkpoint_policy.h"
+#include "memtrain/core/recompute_policy.h"
 #include "memtrain/core/config.h"
 #include "memtrain/core/cpu_memory.h"
 #include "memtrain/core/data_info.h"
 #include "memtrain/core/error.h"
 #include "memtrain/core/memory_tracker.h"
 #include "memtrain/core/safetensors.h"
+#include "memtrain/core/files.h"
 #include "memtrain/core/state_checkpoint.h"
 #include "memtrain/data/datasets.h"
 #include "memtrain/distributed/world.h"
@@ -25,9 +26,11 @@
 #include "memtrain/models/module_model.h"
 #include "memtrain/models/resnet.h"
 #include "memtrain/optim/optimizer.h"
-#include "memtrain/runtime/checkpointing.h"
+#include "memtrain/runtime/recompute.h"
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/fused_loss.h"
 #include "memtrain/runtime/generate.h"
+#include "memtrain/runtime/device.h"
 #include "memtrain/runtime/precision.h"
+#include "memtrain/runtime/run_report.h"
 #include "memtrain/runtime/trainer.h"

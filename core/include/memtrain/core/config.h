@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -176,6 +177,9 @@ struct Config {
   // The resolved configuration, as an INI file that load() reads back to the same values. Model keys of
   // other models (ResNet's depth in a GPT run) are left out. Numbers in their shortest exact form.
   std::string to_ini() const;
+  // The `key = value` lines of an INI text by "section.key", as the config reader reads them (Boost's, every
+  // key kept, known or not): for comparing a saved config with this one. The one INI reader of the project.
+  static std::map<std::string, std::string> ini_values(const std::string& ini_text);
   // Every known key ("--section.key=default" and what it does), for --help; model keys grouped by model.
   static std::string help();
   // The same as a Markdown page (docs/config-reference.md, checked against this by a test).

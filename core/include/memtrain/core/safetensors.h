@@ -10,6 +10,8 @@
 #include <optional>
 #include <string>
 
+#include "memtrain/core/files.h"  // SavedFile
+
 namespace memtrain {
 
 std::map<std::string, torch::Tensor> load_safetensors(const std::string& path);
@@ -19,21 +21,10 @@ std::map<std::string, torch::Tensor> parse_safetensors(const std::string& bytes,
 std::string safetensors_dtype(c10::ScalarType type);
 // The dtype of a name of the format ("F32" -> kFloat); nullopt for a name it does not define.
 std::optional<c10::ScalarType> safetensors_scalar_type(const std::string& name);
-// Writes `bytes` to path.tmp, fsyncs it and renames it over `path`: a crash or a full disk leaves the
-// old file (or none), never a half-written one. Throws Error naming the file on failure.
-void write_file_atomically(const std::string& path, const std::string& bytes);
-// Size and CRC-32 of a file as written.
-struct SavedFile {
-  uint64_t bytes = 0;
-  uint32_t crc32 = 0;
-};
 // Streams the header and then each tensor's bytes from its own memory (no assembled copy), to path.tmp,
 // fsynced and renamed.
 SavedFile save_safetensors(const std::string& path, const std::map<std::string, torch::Tensor>& tensors,
                            const std::map<std::string, std::string>& metadata = {});
-// A whole file read into memory, and a CRC-32 of bytes (zlib's): what checkpoint manifests record.
-std::string read_file_bytes(const std::string& path);
-uint32_t crc32_of(const std::string& bytes);
 
 }  // namespace memtrain
 

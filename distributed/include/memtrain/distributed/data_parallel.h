@@ -1,4 +1,4 @@
-// Data parallelism over a ProcessGroup, with ZeRO stages 0, 1 and 2 (Rajbhandari et al. 2020).
+// Data parallelism over a ProcessGroup, with ZeRO stages 0, 1, 2 and 3 (Rajbhandari et al. 2020).
 //
 // The model's trainable parameters are packed into flat buckets of one dtype, in reverse order of
 // registration (the order backward produces their gradients), each padded to a multiple of the world
@@ -100,6 +100,7 @@ class DataParallel {
   std::vector<torch::Tensor> stepped_tensors() const;  // both lists
   const std::vector<SteppedSegment>& segments() const { return segments_; }
   int stage() const { return options_.stage; }
+  int world_size() const { return group_->size(); }
 
   void begin_step();                           // zero the reduced gradients
   void begin_micro_batch(bool last);           // before a backward: gradient buckets ready, hooks armed
@@ -120,21 +121,18 @@ class DataParallel {
   // the first blocks). Around block i: before_block(i) gathers it (and prefetches the next), after_block(i)
   // frees it; before_block_backward(i) gathers it again when its output's gradient arrives (the blocks
   // before it are prefetched when its first bucket's gradient is complete). end_micro_batch()
-  // and release_all() free everything still gathered; gather_all() gathers every unit (saving weights).
-  // Collective: every rank calls them in the same order.
+  // and release_all() free everything still gathered. Collective: every rank calls them in the same order.
   void begin_forward();
   void before_block(int64_t i);
   void after_block(int64_t i);
   void before_block_backward(int64_t i);
-  void gather_all();
   void release_all();
   // Stage 3: every parameter, full, copied to host memory by name when `keep` (empty otherwise), gathered
   // one unit at a time: a rank holds one gathered unit at most besides what it keeps. Collective.
   std::map<std::string, torch::Tensor> full_parameters(bool keep);
   // Stage 3: the parameters' parts from the stepped tensors (after loading a checkpoint into them).
   void parameters_from_stepped();
-  // Bytes of gathered (full) parameter storage now held (stage 3), and the most held at once since the last call.
-  int64_t gathered_bytes() const { return gathered_bytes_; }
+  // The most bytes of gathered (full) parameter storage held at once since the last call (stage 3).
   int64_t take_peak_gathered_bytes();
 
   // Resident bytes on `device`: parameters (full, replicated), gradients (full buckets held + reduced
@@ -142,15 +140,16 @@ class DataParallel {
   ResidentBytes resident(const std::vector<torch::Tensor>& optimizer_state, const c10::Device& device) const;
   // Bytes put into the step's collectives since the last call.
   int64_t take_bytes_communicated();
-  // A sum over ranks outside the step (evaluation, logged losses): its bytes are not the step's traffic.
+  // Collectives over the ranks outside the step (RankAgreement, evaluation, buffers): their bytes are not the
+  // step's traffic.
   void group_all_reduce_sum(torch::Tensor& t);
+  void group_all_reduce_max(torch::Tensor& t);
   void group_all_gather(torch::Tensor& output, torch::Tensor& input);
   void group_broadcast(torch::Tensor& t, int root);
   // Collectives between `mark = traffic_mark()` and not_step_traffic(mark) (stage 3's gathers in an
   // evaluation) are not counted as a step's traffic.
   int64_t traffic_mark() const { return group_->bytes_communicated(); }
   void not_step_traffic(int64_t mark) { bytes_uncounted_ += group_->bytes_communicated() - mark; }
-  const ProcessGroup& group() const { return *group_; }
   // Every collective of the group, once waited for (the trace's collective spans).
   void observe_collectives(CollectiveObserver observer) { group_->set_observer(std::move(observer)); }
   int64_t num_buckets() const;
@@ -158,10 +157,9 @@ class DataParallel {
   // needs to find a parameter's part of each rank's state.
   const std::vector<ParamSlot>& index() const { return index_; }
   // Bucket k's flat parameters, (padded size,), and the element range this rank owns. Stage 3: the flat
-  // tensor's storage is empty unless gathered; bucket_part(k) is this rank's part, always there.
+  // tensor's storage is empty unless gathered.
   const torch::Tensor& bucket_parameters(int64_t k) const;
   std::pair<int64_t, int64_t> owned_range(int64_t k) const;
-  torch::Tensor bucket_part(int64_t k) const;
   std::string describe() const;
 
  private:

@@ -84,6 +84,7 @@ class GPT : public Model {
   bool has_linear_head() const override { return true; }
   double train_flops_per_sample() const override;
   int64_t tokens_per_sample() const override { return options_.block_size; }
+  double block_activation_bytes(int64_t micro_batch, int64_t bytes_per_element) const override;
   std::string describe() const override;
   const GPTOptions& options() const { return options_; }
 

@@ -47,6 +47,10 @@ class Model : public torch::nn::Module {
   // Training FLOPs (forward + backward) per sample, the usual 3x-forward matmul count; 0 = unknown
   // (no FLOP/s or MFU is reported).
   virtual double train_flops_per_sample() const { return 0; }
+  // Bytes one block saves for its backward at `micro_batch` samples when it is not recomputed, by a published
+  // formula, with activations of `bytes_per_element`; 0 = unknown. What the memory estimate's probe is
+  // checked against before it runs (a shape that cannot fit is an error, not minutes of allocation).
+  virtual double block_activation_bytes(int64_t micro_batch, int64_t bytes_per_element) const { return 0; }
   // Tokens per sample (context length for language models, 1 otherwise), for tokens/s.
   virtual int64_t tokens_per_sample() const { return 1; }
   virtual std::string describe() const = 0;

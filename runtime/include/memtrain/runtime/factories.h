@@ -12,7 +12,9 @@
 #include "memtrain/core/config.h"
 #include "memtrain/data/datasets.h"
 #include "memtrain/models/model.h"
+#include "memtrain/distributed/data_parallel.h"
 #include "memtrain/optim/optimizer.h"
+#include "memtrain/runtime/precision.h"
 
 namespace memtrain {
 
@@ -24,5 +26,13 @@ std::unique_ptr<Dataset> make_dataset(const Config& config, const Shard& shard);
 int64_t gpt_block_size(const ModelConfig& config);
 // train.optimizer (choices::optimizer) and its hyper-parameters.
 OptimizerOptions optimizer_options(const TrainOptions& train);
+// train.lr / min_lr / warmup_steps / steps: the cosine schedule.
+CosineScheduleOptions schedule_options(const TrainOptions& train);
+// train.loss_scale_*: fp16's dynamic loss scaler.
+GradScalerOptions scaler_options(const TrainOptions& train);
+// [dist] for DataParallel. Gradients are reduced after every micro-batch with dist.reduce = micro_batch, with
+// bf16 parameters (each micro-batch's gradient goes to the fp32 masters, as in one process) and in stage 3;
+// `units`: stage 3's unit of each parameter (ignored by the other stages).
+DataParallelOptions data_parallel_options(const Config& config, bool bf16_parameters, const std::vector<int64_t>& units);
 
 }  // namespace memtrain

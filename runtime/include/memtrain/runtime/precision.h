@@ -15,6 +15,10 @@
 #include <string>
 #include <vector>
 
+namespace torch::nn {
+class Module;
+}
+
 namespace memtrain {
 
 enum class Precision { kFp32, kBf16, kFp16 };
@@ -26,6 +30,15 @@ std::optional<c10::ScalarType> autocast_dtype(Precision p);
 // autocast in memtrain), bf16 on a CUDA device without native bf16 (compute capability < 8.0): the
 // capability of `device` itself, not of the thread's current CUDA device.
 void check_precision_supported(Precision p, const c10::Device& device);
+
+// train.param_dtype = bf16: the module's floating parameters and buffers become bf16 in place (their
+// TensorImpl kept), except BatchNorm's affine parameters and running statistics, which stay fp32 as PyTorch
+// FSDP's MixedPrecision keeps them by default: running statistics averaged in bf16 lose most of each update
+// (8 bits of mantissa against momentum 0.1), and ATen's batch_norm takes a bf16 input with fp32 weight and
+// statistics (CPU and CUDA), returning bf16. They cost 4 bytes each instead of 2: 2 x channels parameters
+// and 2 x channels statistics per BatchNorm, small beside the convolutions. Integer buffers (BatchNorm's
+// step counter) are left alone, which Module::to(dtype) would not do.
+void cast_to_bf16_keeping_batch_norm(torch::nn::Module& module);
 
 // Enables autocast for one device type in this thread, with `dtype`; nullopt disables it (a region
 // that must stay fp32 inside an autocast one). `cache_enabled`: the weight-cast cache setting; nullopt

@@ -19,23 +19,38 @@
 #include <string>
 #include <vector>
 
-#include "memtrain/runtime/checkpointing.h"
+#include "memtrain/runtime/recompute.h"
 #include "memtrain/core/config.h"
 #include "memtrain/core/cpu_memory.h"
 #include "memtrain/data/datasets.h"
 #include "memtrain/distributed/data_parallel.h"
+#include "memtrain/distributed/rank_agreement.h"
 #include "memtrain/distributed/world.h"
 #include "memtrain/core/memory_tracker.h"
 #include "memtrain/core/state_checkpoint.h"
 #include "memtrain/models/model.h"
 #include "memtrain/optim/optimizer.h"
 #include "memtrain/runtime/memory_estimate.h"
+#include "memtrain/runtime/device.h"
 #include "memtrain/runtime/planner.h"
 #include "memtrain/runtime/precision.h"
 
 namespace memtrain {
 
-class TraceBlocks;  // log.trace_blocks (trainer.cpp)
+class TraceBlocks;  // log.trace_blocks (trainer_setup.cpp)
+class RunReport;    // run_report.h
+
+// A model's floating buffers (BatchNorm's running statistics) kept aside and put back: a step retried after
+// running out of memory, and the estimator's probe, leave them as they found them.
+class FloatingBuffers {
+ public:
+  void save(torch::nn::Module& module);     // copies them (storage reused from the last save)
+  void restore(torch::nn::Module& module);  // copies them back; nothing if never saved
+  bool empty() const { return saved_.empty(); }
+
+ private:
+  std::vector<torch::Tensor> saved_;
+};
 
 struct StepResult {
   int64_t step = 0;
@@ -58,7 +73,8 @@ struct EvalResult {
 
 class Trainer {
  public:
-  // Everything from the config: model, data, optimizer, precision, checkpointing, tracker.
+  // ---- What an embedder uses -----------------------------------------------------------------------
+  // Everything from the config: model, data, optimizer, precision, recompute, tracker.
   explicit Trainer(const Config& config, const World& world = World::from_env());
   // An embedder's own model and data; the config supplies the rest.
   Trainer(const Config& config, std::shared_ptr<Model> model, std::shared_ptr<Dataset> data,
@@ -70,10 +86,11 @@ class Trainer {
   Trainer& operator=(Trainer&&) = delete;
 
   StepResult step();          // one optimizer step: micro-batches, reduce, clip, update, memory
+  // The mean loss (and accuracy) over `batches`, on the same forward as training. Collective with ranks.
   EvalResult evaluate(const std::vector<Batch>& batches);
-  // config.train.steps steps with logging, evaluation and saving; resumes first when checkpoint.resume
-  // says so. SIGTERM / SIGINT while it runs: the current step ends, a checkpoint is saved, fit() returns
-  // (stopped_by_signal()); a second signal exits the process at once.
+  // config.train.steps steps with logging, evaluation and saving (a RunReport writes every output);
+  // resumes first when checkpoint.resume says so. SIGTERM / SIGINT while it runs: the current step ends, a
+  // checkpoint is saved, fit() returns (stopped_by_signal()); a second signal exits the process at once.
   void fit();
   // Parameters and buffers by name, as safetensors. ZeRO stage 3 holds no full parameters: there every
   // rank must call it (the parameters are gathered unit by unit; rank 0 writes).
@@ -86,26 +103,30 @@ class Trainer {
   // Continues from a checkpoint saved at any world size and ZeRO stage (each rank takes its part).
   // A checkpoint of another model, optimizer or shape is an error naming the tensor; nothing is changed then.
   void load_checkpoint(const std::string& path);
-  const std::string& checkpoint_dir() const { return ckpt_dir_; }
-  // Pieces each micro-batch is cut into after out-of-memory retries (1: none).
-  int64_t micro_batch_split() const { return split_; }
-  bool stopped_by_signal() const { return stopped_by_signal_; }
 
   Model& model() { return *model_; }
   Dataset& data() { return *data_; }
-  torch::optim::Optimizer& optimizer() { return *optimizer_; }
   MemoryTracker& tracker() { return *tracker_; }
-  const CheckpointPolicy& checkpoint_policy() const { return policy_; }
-  const GradScaler* scaler() const { return scaler_.get(); }
   const Config& config() const { return config_; }
+  const World& world() const { return world_; }
   const c10::Device& device() const { return device_; }
   int64_t current_step() const { return step_; }
   const std::string& run_dir() const { return run_dir_; }
+  const std::string& checkpoint_dir() const { return ckpt_dir_; }
+  bool stopped_by_signal() const { return stopped_by_signal_; }
+
+  // ---- Inspection: what tests, tools and the run report read ---------------------------------------
+  torch::optim::Optimizer& optimizer() { return *optimizer_; }
+  const RecomputePolicy& recompute_policy() const { return policy_; }
+  const GradScaler* scaler() const { return scaler_.get(); }
+  Precision precision() const { return precision_; }
+  // Pieces each micro-batch is cut into after out-of-memory retries (1: none).
+  int64_t micro_batch_split() const { return split_; }
   // Distinct trainable parameters (tied weights once).
   const std::vector<torch::Tensor>& parameters() const { return params_; }
-  // The data-parallel engine of a multi-process run (ZeRO stages 0-2); null in a single process.
+  // The data-parallel engine of a multi-process run (ZeRO stages 0-3) or of offload; null otherwise.
   DataParallel* data_parallel() { return dp_.get(); }
-  const World& world() const { return world_; }
+  const DataParallel* data_parallel() const { return dp_.get(); }
   // fp32 master copies of parameters() when train.param_dtype = bf16 (the optimizer steps these); else empty.
   // BatchNorm's parameters and running statistics stay fp32 in the model then (their masters exist too).
   const std::vector<torch::Tensor>& master_weights() const { return master_; }
@@ -116,16 +137,44 @@ class Trainer {
   // gradients dropped as they arrive is run the first time (several ranks keep gradients in buckets,
   // counted apart).
   EstimateInputs estimate_inputs_for(int world);
+  // The device whose counters measure this run's memory (the GPU, else the CPU), and the last step's peak
+  // there (-1: not tracked).
+  c10::Device memory_device() const { return device_.is_cuda() ? device_ : c10::Device(c10::kCPU); }
+  int64_t last_peak() const;
+  // The checkpoint this run resumed from ("" for a fresh run).
+  const std::string& resumed_from() const { return resumed_from_; }
+  // Ranks agreeing on host values outside the step (a collective per call when there are ranks).
+  RankAgreement agreement() const { return RankAgreement(dp_.get(), device_); }
 
  private:
+  // setup(), in numbered steps (trainer_setup.cpp).
   void setup();
+  void setup_device();                                           // 1
+  torch::OrderedDict<std::string, torch::Tensor> setup_parameters();  // 2: returns the fp32 masters by name
+  void setup_units();                                            // 3
+  bool setup_plan(torch::OrderedDict<std::string, torch::Tensor>& masters);  // 4: returns sharded
+  void setup_recompute_and_head();                               // 5
+  void setup_data_parallel();                                    // 7
+  void setup_schedule_and_scaler();                              // 8
+  void setup_tracker();                                          // 9
+  void setup_outputs();                                          // 10
+
   StepResult attempt_step();
+  torch::Tensor run_micro_batches();                           // attempt_step's 1-2: the summed loss
+  void clip_and_update(StepResult& r, const torch::Tensor& loss_sum);  // attempt_step's 3-4
   void recover_from_oom(const std::string& what);  // throws when the step cannot be retried
   void resume_or_refuse();                          // fit(): checkpoint.resume and log.overwrite
-  bool agree(bool ok);                              // every rank ok (a collective with ranks)
+  void make_output_folders() const;                 // fit(): every folder it writes, probed before step 1
+  bool agree(bool ok) { return agreement().all(ok); }
   bool stop_requested();                            // a stop signal on any rank (collective)
+  // fit()'s pieces: a validation pass and a save, each traced; the end of the run.
+  EvalResult validate();
+  std::pair<std::string, double> timed_save();     // the folder and the seconds it took
+  void finish(RunReport& report);
   std::vector<ShardPiece> state_pieces() const;
-  torch::Tensor forward_loss(const Batch& batch);
+  // The forward of training and evaluation: autocast, ZeRO-3's gathers, the blocks (recomputed as the
+  // policy says), the head; the loss, and the logits in *logits when asked (none with the fused head).
+  torch::Tensor forward_loss(const Batch& batch, torch::Tensor* logits = nullptr);
   Batch to_device(Batch batch) const;
   // Several ranks, or one whose optimizer state is offloaded (a group of one), train through DataParallel and its
   // sharded optimizer; `world` ranks under this config.
@@ -134,10 +183,7 @@ class Trainer {
   void move_grads_to_masters();  // device, and floating inputs in the parameters' dtype
   void resolve_budget_policy();
   void sync_buffers();  // several ranks: floating buffers (BatchNorm statistics) from rank 0
-  // The device whose counters measure this run's memory (the GPU, else the CPU), and whether they can.
-  c10::Device memory_device() const { return device_.is_cuda() ? device_ : c10::Device(c10::kCPU); }
   bool can_measure() const { return config_.memory.track && (device_.is_cuda() || cpu_memory::installed()); }
-  void configure_cuda_allocator();  // memory.snapshot / expandable_segments / gc_threshold / cuda_allocator (CUDA)
   void write_memory_snapshot();     // memory.snapshot: the allocator's pickled history, for memory_viz
   // Activation bytes of one forward + backward at micro-batch m on the training device (the tracker's
   // activation_peak of a step): gradients kept as a single process keeps them, or dropped as they arrive
@@ -157,8 +203,9 @@ class Trainer {
   int64_t budget_bytes() const;
   EstimateInputs estimate_inputs(int world) const;
   void make_estimate();                    // setup(): estimate_ for this run
-  // Every rank's memory summary (rank 0 prints them in one table); collective when there are ranks.
-  std::vector<MemoryTracker::Summary> gather_memory_summaries();
+  // Before the probe at micro_batch: says what it measures, and stops with an error naming the free memory
+  // when the model's published formula puts its activations above it.
+  void check_probe_fits(int64_t micro_batch) const;
 
   Config config_;
   World world_;
@@ -168,14 +215,14 @@ class Trainer {
   std::vector<torch::Tensor> params_;
   std::vector<torch::Tensor> master_;  // param_dtype bf16: fp32 copies, same order as params_
   c10::ScalarType param_dtype_ = torch::kFloat;
-  std::unique_ptr<DataParallel> dp_;  // world_size > 1
+  std::unique_ptr<DataParallel> dp_;  // several ranks, or offload
   std::unique_ptr<BlockHooks> block_hooks_;  // ZeRO stage 3: gathers each block's parameters around it
   TraceBlocks* trace_blocks_ = nullptr;      // log.trace_blocks: block_hooks_ itself, around any gathers
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<CosineSchedule> schedule_;
   Precision precision_ = Precision::kFp32;
   std::unique_ptr<GradScaler> scaler_;
-  CheckpointPolicy policy_;
+  RecomputePolicy policy_;
   int64_t head_rows_ = -1;  // memory.head: -1 plain, 0 fused (automatic chunks), > 0 rows per chunk
   std::unique_ptr<MemoryTracker> tracker_;
   std::string run_dir_;
@@ -185,8 +232,8 @@ class Trainer {
   int64_t split_ = 1;
   int64_t nonfinite_run_ = 0;     // consecutive skipped non-finite steps
   int64_t last_saved_step_ = -1;
-  bool in_optimizer_ = false;                 // between optimizer step's start and end (out-of-memory retries)
-  std::vector<torch::Tensor> buffer_backup_;  // floating buffers at the step's start (out-of-memory retries)
+  bool in_optimizer_ = false;     // between optimizer step's start and end (out-of-memory retries)
+  FloatingBuffers buffer_backup_;  // floating buffers at the step's start (out-of-memory retries)
   std::string resumed_from_;
   std::vector<int64_t> units_;        // per params_ entry: its block, or -1 (the root: outside every block, or shared)
   MemoryEstimate estimate_;
@@ -197,7 +244,5 @@ class Trainer {
   bool stopped_by_signal_ = false;
 };
 
-// The device a config asks for: cpu, cuda (this rank's local GPU), or auto (cuda when available).
-c10::Device resolve_device(const std::string& name, int local_rank);
 
 }  // namespace memtrain

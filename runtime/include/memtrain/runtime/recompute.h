@@ -1,7 +1,7 @@
 // Activation (gradient) checkpointing: run a block without keeping its activations, keep only its
 // input, and recompute it in backward. The policy says which blocks (or block parts) are recomputed.
 //
-//   memtrain::CheckpointPolicy policy = memtrain::CheckpointPolicy::parse("every:2");
+//   memtrain::RecomputePolicy policy = memtrain::RecomputePolicy::parse("every:2");
 //   auto logits = memtrain::forward_with_checkpointing(*model, tokens, policy);
 //
 // The recompute restores the forward's RNG state (CPU, and CUDA when the input is on a GPU) and its
@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include "memtrain/core/checkpoint_policy.h"
+#include "memtrain/core/recompute_policy.h"
 
 namespace memtrain {
 
@@ -64,10 +64,10 @@ class BlockHooks {
 
 // blocks(embed(input)) with the policy applied: the hidden state the head takes. Under no-grad it runs
 // plainly. `hooks` (may be null) must outlive the backward of what this returns.
-torch::Tensor run_blocks(Model& model, const torch::Tensor& input, const CheckpointPolicy& policy,
+torch::Tensor run_blocks(Model& model, const torch::Tensor& input, const RecomputePolicy& policy,
                          BlockHooks* hooks = nullptr);
 // head(run_blocks(input)).
-torch::Tensor forward_with_checkpointing(Model& model, const torch::Tensor& input, const CheckpointPolicy& policy);
+torch::Tensor forward_with_checkpointing(Model& model, const torch::Tensor& input, const RecomputePolicy& policy);
 
 // Activation bytes of each block, measured while recomputing blocks in backward (every block
 // checkpointed), and the bytes of each block's saved input.

@@ -1,4 +1,4 @@
-#include "memtrain/core/checkpoint_policy.h"
+#include "memtrain/core/recompute_policy.h"
 
 #include <cmath>
 #include <sstream>
@@ -9,9 +9,9 @@
 
 namespace memtrain {
 
-CheckpointPolicy CheckpointPolicy::parse(const std::string& text) {
+RecomputePolicy RecomputePolicy::parse(const std::string& text) {
   // The one grammar of memory.recompute: Config::validate calls this too.
-  CheckpointPolicy p;
+  RecomputePolicy p;
   const std::string allowed = "expected none | all | every:K (whole K >= 1) | attn | mlp | budget:MiB (> 0)";
   auto bad = [&] { return ConfigError("[config] memory.recompute = '" + text + "' is not allowed; " + allowed); };
   if (text == "none") {
@@ -42,7 +42,7 @@ CheckpointPolicy CheckpointPolicy::parse(const std::string& text) {
   return p;
 }
 
-std::string CheckpointPolicy::describe() const {
+std::string RecomputePolicy::describe() const {
   std::ostringstream os;
   switch (mode) {
     case Mode::kNone: os << "none"; break;
@@ -63,7 +63,7 @@ std::string CheckpointPolicy::describe() const {
   return os.str();
 }
 
-bool CheckpointPolicy::checkpoints_block(int64_t i) const {
+bool RecomputePolicy::checkpoints_block(int64_t i) const {
   switch (mode) {
     case Mode::kAll: return true;
     case Mode::kEvery: return i % every == 0;

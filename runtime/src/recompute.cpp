@@ -1,4 +1,4 @@
-#include "memtrain/runtime/checkpointing.h"
+#include "memtrain/runtime/recompute.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
@@ -305,7 +305,7 @@ int64_t checkpoint_recompute_count() { return g_recomputes.load(); }
 
 int64_t detail::current_block_id() { return t_block_id; }
 
-torch::Tensor forward_with_checkpointing(Model& model, const torch::Tensor& input, const CheckpointPolicy& policy) {
+torch::Tensor forward_with_checkpointing(Model& model, const torch::Tensor& input, const RecomputePolicy& policy) {
   return model.head(run_blocks(model, input, policy));
 }
 
@@ -325,7 +325,7 @@ class CurrentBlockScope {
 };
 }  // namespace
 
-torch::Tensor run_blocks(Model& model, const torch::Tensor& input, const CheckpointPolicy& policy, BlockHooks* hooks) {
+torch::Tensor run_blocks(Model& model, const torch::Tensor& input, const RecomputePolicy& policy, BlockHooks* hooks) {
   auto h = model.embed(input);
   const auto parts = model.part_names();
   const CheckpointOptions options{.offload = policy.offload};
@@ -336,7 +336,7 @@ torch::Tensor run_blocks(Model& model, const torch::Tensor& input, const Checkpo
     if (policy.checkpoints_block(i)) {
       h = checkpoint([&model, i](const torch::Tensor& x) { return model.block(i, x); }, h, model.block_parameters(i),
                      options);
-    } else if (policy.mode == CheckpointPolicy::Mode::kPart) {
+    } else if (policy.mode == RecomputePolicy::Mode::kPart) {
       for (size_t p = 0; p < parts.size(); ++p) {
         if (policy.checkpoints_part(parts[p])) {
           h = checkpoint([&model, i, p](const torch::Tensor& x) { return model.block_part(i, p, x); }, h,

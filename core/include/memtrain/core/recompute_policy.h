@@ -1,7 +1,7 @@
 // Which blocks activation checkpointing recomputes: the grammar of memory.recompute and its parsed form.
 // A plain value type at the bottom layer, so the config validator and the runtime read one grammar.
 //
-//   auto policy = memtrain::CheckpointPolicy::parse("every:2");   // blocks 0, 2, 4, ...
+//   auto policy = memtrain::RecomputePolicy::parse("every:2");   // blocks 0, 2, 4, ...
 //   policy.checkpoints_block(3);                                   // false
 #pragma once
 
@@ -11,7 +11,7 @@
 
 namespace memtrain {
 
-struct CheckpointPolicy {
+struct RecomputePolicy {
   enum class Mode { kNone, kAll, kEvery, kPart, kBudget };
   Mode mode = Mode::kNone;
   int64_t every = 1;          // kEvery: blocks 0, k, 2k, ...
@@ -21,7 +21,7 @@ struct CheckpointPolicy {
   bool offload = false;
 
   // none | all | every:K | attn | mlp | budget:MiB
-  static CheckpointPolicy parse(const std::string& text);
+  static RecomputePolicy parse(const std::string& text);
   std::string describe() const;
   // Whether part `part_name` of block i is checkpointed (whole-block modes answer for part "").
   bool checkpoints_block(int64_t i) const;

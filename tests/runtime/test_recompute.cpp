@@ -6,7 +6,7 @@
 #include "memtrain/core/cpu_memory.h"
 #include "memtrain/core/error.h"
 #include "memtrain/core/memory_tracker.h"
-#include "memtrain/runtime/checkpointing.h"
+#include "memtrain/runtime/recompute.h"
 #include "memtrain/runtime/precision.h"
 #include "memtrain/core/safetensors.h"
 #include "memtrain/runtime/fused_loss.h"
@@ -23,7 +23,7 @@ struct Result {
   std::map<std::string, torch::Tensor> grads;
 };
 
-Result run(GPT& gpt, const CheckpointPolicy& policy, uint64_t seed) {
+Result run(GPT& gpt, const RecomputePolicy& policy, uint64_t seed) {
   auto ref = load_safetensors(test::fixture("gpt_parity.safetensors"));
   gpt.zero_grad();
   torch::manual_seed(seed);
@@ -36,13 +36,13 @@ Result run(GPT& gpt, const CheckpointPolicy& policy, uint64_t seed) {
 
 TEST(Checkpointing, EveryPolicyMatchesNoCheckpointingWithDropout) {
   auto gpt = fixture_gpt(/*dropout=*/0.1);
-  const auto plain = run(*gpt, CheckpointPolicy::parse("none"), 42);
+  const auto plain = run(*gpt, RecomputePolicy::parse("none"), 42);
   // Recomputations expected per backward for a 2-block GPT.
   const std::vector<std::pair<std::string, int64_t>> policies = {{"all", 2}, {"every:2", 1}, {"attn", 2}, {"mlp", 2}};
   for (const auto& [name, recomputes] : policies) {
     SCOPED_TRACE(name);
     const auto before = checkpoint_recompute_count();
-    const auto r = run(*gpt, CheckpointPolicy::parse(name), 42);
+    const auto r = run(*gpt, RecomputePolicy::parse(name), 42);
     EXPECT_EQ(checkpoint_recompute_count() - before, recomputes);
     // Same dropout masks (RNG restored), same arithmetic: equal to float rounding.
     EXPECT_NEAR(r.loss, plain.loss, 1e-6);
@@ -56,7 +56,7 @@ TEST(Checkpointing, MatchesTorchUtilsCheckpoint) {
   // masks are the same ones.
   auto ref = load_safetensors(test::fixture("gpt_checkpoint.safetensors"));
   auto gpt = fixture_gpt(0.1);
-  const auto r = run(*gpt, CheckpointPolicy::parse("all"), 1234);
+  const auto r = run(*gpt, RecomputePolicy::parse("all"), 1234);
   EXPECT_NEAR(r.loss, ref.at("loss").item<double>(), 1e-5);
   for (const auto& [k, g] : r.grads) EXPECT_LT(test::relative_error(g, ref.at("grad." + k)), 1e-4) << k;
 }
@@ -160,7 +160,7 @@ TEST(Checkpointing, BlockChangingItsInputInPlaceIsAnError) {
     SCOPED_TRACE(k);
     ToyModel model(3);
     model.mutating_block = k;
-    auto out = run_blocks(model, torch::randn({4, 8}), CheckpointPolicy::parse("all"));
+    auto out = run_blocks(model, torch::randn({4, 8}), RecomputePolicy::parse("all"));
     auto msg = test::error_of([&] { out.sum().backward(); });
     EXPECT_NE(msg.find("[checkpoint] block " + std::to_string(k)), std::string::npos) << msg;
     EXPECT_NE(msg.find("changed in place"), std::string::npos) << msg;
@@ -212,7 +212,7 @@ TEST(Checkpointing, BlockThatThrowsLeavesNoBlockId) {
     SCOPED_TRACE(policy);
     ToyModel model(3);
     model.throwing_block = 1;
-    auto msg = test::error_of([&] { run_blocks(model, torch::randn({4, 8}), CheckpointPolicy::parse(policy)); });
+    auto msg = test::error_of([&] { run_blocks(model, torch::randn({4, 8}), RecomputePolicy::parse(policy)); });
     EXPECT_NE(msg.find("block 1 fails"), std::string::npos) << msg;
     EXPECT_EQ(detail::current_block_id(), -1);
   }
@@ -295,8 +295,8 @@ TEST(Checkpointing, BudgetPolicyStaysUnderItsBudget) {
   const double budget_mib = (a_none + a_all) / 2.0 / (1024 * 1024);
   Trainer budget(eight_block_config("budget:" + std::to_string(budget_mib)));
   const auto a_budget = activation_peak(budget);
-  EXPECT_LE(a_budget, budget_mib * 1024 * 1024) << budget.checkpoint_policy().describe();
-  const auto& blocks = budget.checkpoint_policy().blocks;
+  EXPECT_LE(a_budget, budget_mib * 1024 * 1024) << budget.recompute_policy().describe();
+  const auto& blocks = budget.recompute_policy().blocks;
   const auto n = std::count(blocks.begin(), blocks.end(), true);
   EXPECT_GT(n, 0);
   EXPECT_LT(n, 8) << "a budget above the all-checkpointed peak should not need every block";
@@ -321,7 +321,7 @@ TEST(Checkpointing, CudaRngAndPinnedOffloadSkipWithoutGpu) {
   auto ref = load_safetensors(test::fixture("gpt_parity.safetensors"));
   auto x = ref.at("input").to(torch::kCUDA), y = ref.at("target").to(torch::kCUDA);
   auto grads = [&](const std::string& p, bool offload) {
-    auto policy = CheckpointPolicy::parse(p);
+    auto policy = RecomputePolicy::parse(p);
     policy.offload = offload;
     gpt->zero_grad();
     torch::manual_seed(3);
@@ -367,7 +367,7 @@ TEST(FusedHead, SameLossAndGradientsAsLinearPlusCrossEntropy) {
   auto gpt = fixture_gpt(0.0);
   auto ref = load_safetensors(test::fixture("gpt_parity.safetensors"));
   auto x = ref.at("input"), y = ref.at("target");
-  auto h = run_blocks(*gpt, x, CheckpointPolicy::parse("none"));
+  auto h = run_blocks(*gpt, x, RecomputePolicy::parse("none"));
   auto [features, weight] = *gpt->head_features(h);
   auto loss = fused_linear_cross_entropy(features.reshape({-1, 32}), weight, y.reshape({-1}), /*chunk_rows=*/7);
   loss.backward();

@@ -1,0 +1,223 @@
+// Trainer::setup(): the parts of a run built in order from the config, one numbered builder each. Where
+// sharding is decided: step 4 (sharded(), after memory.budget_mib's plan) and step 7 (DataParallel).
+#include <c10/cuda/CUDAFunctions.h>
+
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <set>
+
+#include "memtrain/core/cpu_memory.h"
+#include "memtrain/core/error.h"
+#include "memtrain/runtime/device.h"
+#include "memtrain/runtime/factories.h"
+#include "memtrain/runtime/trainer.h"
+
+namespace memtrain {
+
+namespace fs = std::filesystem;
+
+namespace {
+// ZeRO stage 3: each block's parameters gathered just before it runs (forward and backward), freed after.
+class GatherBlocks : public BlockHooks {
+ public:
+  explicit GatherBlocks(DataParallel& dp) : dp_(dp) {}
+  void before_block(int64_t block) override { dp_.before_block(block); }
+  void after_block(int64_t block) override { dp_.after_block(block); }
+  void before_block_backward(int64_t block) override { dp_.before_block_backward(block); }
+
+ private:
+  DataParallel& dp_;
+};
+}  // namespace
+
+// log.trace_blocks: a span per block in the trace. Forward: from just before the block (its ZeRO-3 gather
+// included) to just after it. Backward: from the arrival of the block's output gradient to the arrival of
+// the previous block's (the first block's ends with the backward: the embeddings' share is in it).
+class TraceBlocks : public BlockHooks {
+ public:
+  TraceBlocks(MemoryTracker& tracker, std::unique_ptr<BlockHooks> inner) : tracker_(tracker), inner_(std::move(inner)) {}
+  void before_block(int64_t block) override {
+    begin_ = MemoryTracker::Clock::now();
+    if (inner_) inner_->before_block(block);
+  }
+  void after_block(int64_t block) override {
+    if (inner_) inner_->after_block(block);
+    tracker_.trace_span("block " + std::to_string(block) + " forward", begin_, MemoryTracker::Clock::now());
+  }
+  void before_block_backward(int64_t block) override {
+    end_backward();
+    open_ = block, backward_begin_ = MemoryTracker::Clock::now();
+    if (inner_) inner_->before_block_backward(block);
+  }
+  void end_backward() {
+    if (open_ >= 0)
+      tracker_.trace_span("block " + std::to_string(open_) + " backward", backward_begin_, MemoryTracker::Clock::now());
+    open_ = -1;
+  }
+
+ private:
+  MemoryTracker& tracker_;
+  std::unique_ptr<BlockHooks> inner_;
+  MemoryTracker::Clock::time_point begin_, backward_begin_;
+  int64_t open_ = -1;
+};
+
+// A backward's end for the trace (trainer.cpp holds TraceBlocks only by pointer).
+void end_backward_span(TraceBlocks* t) {
+  if (t) t->end_backward();
+}
+
+void Trainer::setup() {
+  setup_device();                         // 1. device, threads, allocator settings, precision
+  auto masters = setup_parameters();      // 2. trainable parameters; bf16 ones with fp32 masters
+  setup_units();                          // 3. ZeRO-3's unit of each parameter (and the estimate's)
+  const bool sharded = setup_plan(masters);  // 4. memory.budget_mib's plan; whether the optimizer is sharded
+  if (!sharded)
+    optimizer_ = make_optimizer(optimizer_options(config_.train),
+                                config_.train.param_dtype == "bf16" ? masters : model_->named_parameters());
+  setup_recompute_and_head();             // 5. which blocks recompute; the fused head
+  make_estimate();                        // 6. the memory estimate (before the buckets: the model is whole)
+  if (sharded) setup_data_parallel();     // 7. process group, buckets, the sharded optimizer
+  setup_schedule_and_scaler();            // 8. learning-rate schedule; fp16's loss scaler
+  setup_tracker();                        // 9. the memory tracker and what it counts
+  setup_outputs();                        // 10. run and checkpoint folders; the memory limit
+}
+
+void Trainer::setup_device() {
+  const auto& t = config_.train;
+  if (t.threads > 0) at::set_num_threads(static_cast<int>(t.threads));
+  device_ = resolve_device(t.device, world_.local_rank);
+  configure_cuda_allocator(config_.memory, device_, world_.is_main());
+  if (device_.is_cuda()) c10::cuda::set_device(device_.index());  // this rank's GPU: LOCAL_RANK
+  precision_ = parse_precision(t.precision);
+  check_precision_supported(precision_, device_);
+  if (precision_ == Precision::kBf16 && device_.is_cpu() && world_.is_main() && !cpu_has_native_bf16())
+    std::cerr << "memtrain: warning: [precision] train.precision = bf16 on a CPU without native bf16 (no AVX512-BF16 "
+                 "or AMX): bf16 autocast runs emulated, about 10-20x slower than fp32\n";
+  model_->to(device_);
+  model_->train();
+}
+
+torch::OrderedDict<std::string, torch::Tensor> Trainer::setup_parameters() {
+  std::set<const void*> seen;
+  for (const auto& item : model_->named_parameters()) {
+    const auto& p = item.value();
+    if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) params_.push_back(p), param_names_.push_back(item.key());
+  }
+  torch::OrderedDict<std::string, torch::Tensor> masters;
+  if (config_.train.param_dtype != "bf16") return masters;
+  // bf16 parameters and gradients in the model; the optimizer steps fp32 master copies, which are copied
+  // back after each step (the bf16 rounding of an update never accumulates). Several ranks: DataParallel
+  // keeps the masters (of this rank's part only from ZeRO stage 1). A plan for memory.budget_mib may turn
+  // offload on or off in one process: the masters are made whenever one process might need them (from the
+  // fp32 weights, before the bf16 cast), and dropped if not (setup_plan).
+  param_dtype_ = torch::kBFloat16;
+  const bool planning = parse_budget_mib(config_.memory.budget_mib) != 0;
+  for (size_t i = 0; i < params_.size() && (!sharded(world_.world_size) || (planning && world_.world_size == 1)); ++i) {
+    master_.push_back(params_[i].detach().to(torch::kFloat, /*non_blocking=*/false, /*copy=*/true).requires_grad_());
+    masters.insert(param_names_[i], master_.back());
+  }
+  cast_to_bf16_keeping_batch_norm(*model_);
+  return masters;
+}
+
+void Trainer::setup_units() {
+  // Each parameter's block; -1 (the root, gathered for the whole step) for those outside every block and for
+  // those two blocks share.
+  std::map<const void*, int64_t> unit;
+  for (int64_t b = 0; b < model_->num_blocks(); ++b)
+    for (const auto& p : model_->block_parameters(b)) {
+      auto [it, added] = unit.emplace(p.unsafeGetTensorImpl(), b);
+      if (!added && it->second != b) it->second = -1;
+    }
+  for (const auto& p : params_) {
+    auto it = unit.find(p.unsafeGetTensorImpl());
+    units_.push_back(it == unit.end() ? -1 : it->second);
+  }
+}
+
+bool Trainer::setup_plan(torch::OrderedDict<std::string, torch::Tensor>& masters) {
+  // memory.budget_mib: the settings read after this (micro-batch, recompute, head, stage, offload) are the plan's.
+  if (parse_budget_mib(config_.memory.budget_mib) == 0) return sharded(world_.world_size);
+  plan_to_budget();
+  const bool now_sharded = sharded(world_.world_size);
+  if (now_sharded) master_.clear(), masters.clear();  // one process, offload chosen: DataParallel keeps them
+  return now_sharded;
+}
+
+void Trainer::setup_recompute_and_head() {
+  policy_ = RecomputePolicy::parse(config_.memory.recompute);
+  policy_.offload = config_.memory.offload;
+  if (policy_.mode == RecomputePolicy::Mode::kPart) {
+    auto parts = model_->part_names();
+    MEMTRAIN_CHECK(std::find(parts.begin(), parts.end(), policy_.part) != parts.end(), ConfigError,
+                   "[config] memory.recompute = ", policy_.part, ": this model's blocks have no '", policy_.part,
+                   "' part (selective checkpointing needs a transformer; use all or every:K)");
+  }
+  head_rows_ = parse_head_rows(config_.memory.head);
+  MEMTRAIN_CHECK(head_rows_ < 0 || model_->has_linear_head(), ConfigError,
+                 "[config] memory.head = fused needs a model whose head is one linear map (gpt); this model's is not");
+}
+
+void Trainer::setup_data_parallel() {
+  // Rendezvous, process group, flat buckets; the optimizer steps the buckets' parts this rank owns.
+  const auto& d = config_.dist;
+  auto group = ProcessGroup::create(world_, {.backend = d.backend, .timeout = std::chrono::seconds(d.timeout_s), .device = device_});
+  std::vector<std::pair<std::string, torch::Tensor>> named;
+  for (size_t i = 0; i < params_.size(); ++i) named.emplace_back(param_names_[i], params_[i]);
+  dp_ = std::make_unique<DataParallel>(group, named, data_parallel_options(config_, param_dtype_ != torch::kFloat, units_));
+  if (d.zero_stage == 3) block_hooks_ = std::make_unique<GatherBlocks>(*dp_);
+  optimizer_ = make_optimizer(optimizer_options(config_.train), dp_->decay_tensors(), dp_->no_decay_tensors());
+  sync_buffers();  // an embedder's model may start with other statistics on each rank
+}
+
+void Trainer::setup_schedule_and_scaler() {
+  schedule_ = std::make_unique<CosineSchedule>(schedule_options(config_.train));
+  if (precision_ == Precision::kFp16) scaler_ = std::make_unique<GradScaler>(scaler_options(config_.train), device_);
+}
+
+void Trainer::setup_tracker() {
+  MemoryTrackerOptions mo;
+  mo.rank = world_.rank;
+  mo.devices.clear();
+  if (cpu_memory::installed()) mo.devices.push_back(c10::kCPU);
+  if (device_.is_cuda()) mo.devices.push_back(device_);
+  MEMTRAIN_CHECK(!config_.memory.track || !mo.devices.empty(), Error,
+                 "[memory] memory.track = true on CPU needs memtrain::cpu_memory::install() at the start of main()");
+  if (!config_.memory.track) mo.devices.clear();
+  tracker_ = std::make_unique<MemoryTracker>(mo);
+  if (config_.log.trace && dp_)
+    dp_->observe_collectives([tracker = tracker_.get()](const std::string& what, int64_t bytes, MemoryTracker::Clock::time_point issued,
+                                                        MemoryTracker::Clock::time_point completed) {
+      tracker->trace_collective(what, bytes, issued, completed);
+    });
+  if (config_.log.trace && config_.log.trace_blocks) {
+    auto traced = std::make_unique<TraceBlocks>(*tracker_, std::move(block_hooks_));
+    trace_blocks_ = traced.get();
+    block_hooks_ = std::move(traced);
+  }
+  tracker_->set_resident_source([this](const c10::Device& d) {
+    // Master weights and their gradients are the optimizer's: counted as optimizer state.
+    auto state = optimizer_state_tensors(*optimizer_);
+    ResidentBytes r;
+    if (dp_) {
+      r = dp_->resident(state, d);
+    } else {
+      for (const auto& m : master_) state.push_back(m), state.push_back(m.grad());
+      r = resident_bytes(params_, state, d);
+    }
+    if (d.is_cpu()) r.data = data_->resident_bytes();  // datasets live in host memory
+    return r;
+  });
+}
+
+void Trainer::setup_outputs() {
+  auto name = config_.log.name;
+  if (name.empty()) name = config_.source.empty() ? "run" : fs::path(config_.source).stem().string();
+  run_dir_ = (fs::path(config_.log.dir) / name).string();
+  ckpt_dir_ = config_.checkpoint.dir.empty() ? (fs::path(run_dir_) / "checkpoints").string() : config_.checkpoint.dir;
+  apply_memory_limit(config_.memory.limit_mib, device_);
+}
+
+}  // namespace memtrain
