@@ -1,3 +1,7 @@
+// The config: one table of every key (entries(): its reader, printer, default, help and own rule), the
+// INI and command-line parsing with errors that say where a value was set, the cross-key rules, --help and
+// the reference page. Over 600 lines on purpose: a key is added in one row here, and every reader of the
+// table (parser, validator, --help, docs/config-reference.md) follows it.
 #include "memtrain/core/config.h"
 
 #include <algorithm>

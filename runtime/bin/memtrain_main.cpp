@@ -16,6 +16,7 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -141,6 +142,61 @@ std::string unknown_subcommand(const std::string& word) {
   return "memtrain: '" + word + "' is not a subcommand" + hint + "; the subcommands are: " + names +
          ". Training takes none: memtrain --config FILE.ini [--section.key=value ...]";
 }
+// The command line: a subcommand, the config file, overrides, and the flags of --generate and estimate.
+struct Args {
+  std::string config_path;
+  std::vector<std::string> overrides;
+  std::map<std::string, std::string> sampling;  // --generate and its flags
+  bool print_only = false;
+  bool estimate_only = false;
+  int estimate_ranks = 0;
+};
+
+// Fills `a`; an exit code when the command line is answered here (--help, a bad word) or wrong.
+std::optional<int> parse_args(int argc, char** argv, Args& a) {
+  // memtrain estimate [--ranks N] [--config X] [overrides]: the memory estimate, without training.
+  a.estimate_only = argc > 1 && std::string(argv[1]) == "estimate";
+  const bool estimate_only = a.estimate_only;
+  if (argc > 1 && argv[1][0] != '-' && !estimate_only) {
+    std::cerr << unknown_subcommand(argv[1]) << "\n";
+    return 2;
+  }
+  for (int i = estimate_only ? 2 : 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      std::cout << kUsage << "\nkeys:\n" << memtrain::Config::help();
+      return 0;
+    }
+    if (arg == "--print-config-reference") {
+      std::cout << memtrain::Config::reference_markdown();
+      return 0;
+    }
+    if (estimate_only && (arg == "--ranks" || arg.rfind("--ranks=", 0) == 0)) {
+      const std::string v = arg == "--ranks" ? (i + 1 < argc ? argv[++i] : "") : arg.substr(8);
+      size_t used = 0;
+      try {
+        a.estimate_ranks = std::stoi(v, &used);
+      } catch (const std::exception&) {
+      }
+      if (used != v.size() || a.estimate_ranks < 1) {
+        std::cerr << "memtrain: estimate: --ranks '" << v << "' is not a whole number >= 1\n";
+        return 2;
+      }
+    } else if (arg == "--print-config") {
+      a.print_only = true;
+    } else if ((arg == "--generate" || arg == "--weights" || arg == "--prompt-ids" || arg == "--temperature" || arg == "--top-k") &&
+               i + 1 < argc) {
+      a.sampling[arg] = argv[++i];
+    } else if (arg == "--config" && i + 1 < argc) {
+      a.config_path = argv[++i];
+    } else if (arg.rfind("--config=", 0) == 0) {
+      a.config_path = arg.substr(9);
+    } else {
+      a.overrides.push_back(arg);
+    }
+  }
+  return std::nullopt;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -150,51 +206,8 @@ int main(int argc, char** argv) {
   // A file-size limit (RLIMIT_FSIZE) or a full quota makes a write fail with EFBIG: an error that names
   // the file and keeps the last checkpoint, not a signal that kills the run part way through a save.
   signal(SIGXFSZ, SIG_IGN);
-  std::string config_path;
-  std::vector<std::string> overrides;
-  std::map<std::string, std::string> sampling;  // --generate and its flags
-  bool print_only = false;
-  // memtrain estimate [--ranks N] [--config X] [overrides]: the memory estimate, without training.
-  const bool estimate_only = argc > 1 && std::string(argv[1]) == "estimate";
-  if (argc > 1 && argv[1][0] != '-' && !estimate_only) {
-    std::cerr << unknown_subcommand(argv[1]) << "\n";
-    return 2;
-  }
-  int estimate_ranks = 0;
-  for (int i = estimate_only ? 2 : 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      std::cout << kUsage << "\nkeys:\n" << memtrain::Config::help();
-      return 0;
-    }
-    if (a == "--print-config-reference") {
-      std::cout << memtrain::Config::reference_markdown();
-      return 0;
-    }
-    if (estimate_only && (a == "--ranks" || a.rfind("--ranks=", 0) == 0)) {
-      const std::string v = a == "--ranks" ? (i + 1 < argc ? argv[++i] : "") : a.substr(8);
-      size_t used = 0;
-      try {
-        estimate_ranks = std::stoi(v, &used);
-      } catch (const std::exception&) {
-      }
-      if (used != v.size() || estimate_ranks < 1) {
-        std::cerr << "memtrain: estimate: --ranks '" << v << "' is not a whole number >= 1\n";
-        return 2;
-      }
-    } else if (a == "--print-config") {
-      print_only = true;
-    } else if ((a == "--generate" || a == "--weights" || a == "--prompt-ids" || a == "--temperature" || a == "--top-k") &&
-               i + 1 < argc) {
-      sampling[a] = argv[++i];
-    } else if (a == "--config" && i + 1 < argc) {
-      config_path = argv[++i];
-    } else if (a.rfind("--config=", 0) == 0) {
-      config_path = a.substr(9);
-    } else {
-      overrides.push_back(a);
-    }
-  }
+  Args args;
+  if (const auto done = parse_args(argc, argv, args)) return *done;
   // The trainer outlives the try: after a failure it is not destroyed, since tearing down a process group
   // waits for collectives queued to peers that will never answer. The error is printed and the process
   // ends at once; the launcher then stops the other ranks.
@@ -206,16 +219,16 @@ int main(int argc, char** argv) {
     return code;
   };
   try {
-    auto config = memtrain::Config::load(config_path, overrides);
+    auto config = memtrain::Config::load(args.config_path, args.overrides);
     if (memtrain::World::from_env().is_main())
       for (const auto& w : config.warnings) std::cerr << "memtrain: warning: " << w << "\n";
-    if (print_only) {
+    if (args.print_only) {
       std::cout << config.to_ini();
       return 0;
     }
-    if (sampling.count("--generate")) return sample(config, sampling);
-    MEMTRAIN_CHECK(sampling.empty(), memtrain::ConfigError, sampling.begin()->first, " is for --generate");
-    if (estimate_only) return estimate(config, estimate_ranks);
+    if (args.sampling.count("--generate")) return sample(config, args.sampling);
+    MEMTRAIN_CHECK(args.sampling.empty(), memtrain::ConfigError, args.sampling.begin()->first, " is for --generate");
+    if (args.estimate_only) return estimate(config, args.estimate_ranks);
     trainer = std::make_unique<memtrain::Trainer>(config);
     trainer->fit();
     trainer.reset();

@@ -179,26 +179,10 @@ void Trainer::plan_to_budget() {
   if (p1 == p0 && global > p0) p1 = micro[micro.size() >= 2 ? micro.size() - 2 : 0];
   const bool timed = world_.world_size == 1;  // several ranks: every rank must reach the same plan, untimed
   plan_candidates_.clear();
-  auto use = [&](const std::string& policy, const std::string& head) {
-    policy_ = RecomputePolicy::parse(policy);
-    policy_.offload = m.offload;
-    head_rows_ = parse_head_rows(head);
-  };
-  // The times are each setting's fastest of kRounds, taken in rounds over all settings: a machine busy for a
-  // while slows one round of every setting rather than every round of one.
-  constexpr int kRounds = 4;
   std::vector<std::pair<std::string, std::string>> pairs;
   for (const auto& policy : policies)
     for (const auto& head : heads) pairs.emplace_back(policy, head);
-  std::vector<ActivationProbe> probes;
-  for (const auto& [policy, head] : pairs) {
-    use(policy, head);
-    if (probes.empty()) probe_activations(p0, !sharded);  // the first forward of a process runs slower
-    probes.push_back(probe_at(p0, p1, /*keep_grads=*/!sharded, /*clamp=*/false));
-  }
-  for (int round = 1; timed && round < kRounds; ++round)
-    for (size_t k = 0; k < pairs.size(); ++k) use(pairs[k].first, pairs[k].second), retime_probe(probes[k], !sharded);
-  for (auto& pr : probes) clamp_probe_times(pr);
+  const auto probes = probe_settings(pairs, p0, p1, !sharded, timed);
   for (size_t k = 0; k < pairs.size(); ++k) {
     const auto& [policy, head] = pairs[k];
     const auto& pr = probes[k];
@@ -242,6 +226,28 @@ void Trainer::plan_to_budget() {
   m.recompute = plan.chosen.recompute, m.head = plan.chosen.head;
   config_.dist.zero_stage = plan.chosen.stage;
   config_.dist.offload_optimizer = plan.chosen.offload ? "cpu" : "none";
+}
+
+std::vector<ActivationProbe> Trainer::probe_settings(const std::vector<std::pair<std::string, std::string>>& settings,
+                                                    int64_t m0, int64_t m1, bool keep_grads, bool timed) {
+  auto use = [&](const std::string& policy, const std::string& head) {
+    policy_ = RecomputePolicy::parse(policy);
+    policy_.offload = config_.memory.offload;
+    head_rows_ = parse_head_rows(head);
+  };
+  // The times are each setting's fastest of kRounds, taken in rounds over all settings: a machine busy for a
+  // while slows one round of every setting rather than every round of one.
+  constexpr int kRounds = 4;
+  std::vector<ActivationProbe> probes;
+  for (const auto& [policy, head] : settings) {
+    use(policy, head);
+    if (probes.empty()) probe_activations(m0, keep_grads);  // the first forward of a process runs slower
+    probes.push_back(probe_at(m0, m1, keep_grads, /*clamp=*/false));
+  }
+  for (int round = 1; timed && round < kRounds; ++round)
+    for (size_t k = 0; k < settings.size(); ++k) use(settings[k].first, settings[k].second), retime_probe(probes[k], keep_grads);
+  for (auto& pr : probes) clamp_probe_times(pr);
+  return probes;
 }
 
 void Trainer::correct_plan(int64_t measured_peak) {

@@ -133,16 +133,12 @@ std::string Trainer::save_checkpoint() {
   return folder;
 }
 
-void Trainer::load_checkpoint(const std::string& path) {
-  const auto begin = std::chrono::steady_clock::now();
-  const auto ck = ::memtrain::load_checkpoint(path);
+std::set<std::string> Trainer::check_checkpoint(const std::string& path, const LoadedCheckpoint& ck) const {
   const auto& T = ck.tensors;
-  const auto& fields = ck.meta.fields;
   auto field = [&](const std::string& key) {
-    auto it = fields.find(key);
-    return it == fields.end() ? std::string() : it->second;
+    auto it = ck.meta.fields.find(key);
+    return it == ck.meta.fields.end() ? std::string() : it->second;
   };
-  // 1. Everything is checked before anything is copied.
   const auto saved_optimizer = field("optimizer");
   MEMTRAIN_CHECK(saved_optimizer.empty() || saved_optimizer == config_.train.optimizer ||
                      (saved_optimizer != "sgd" && config_.train.optimizer != "sgd"),
@@ -183,6 +179,27 @@ void Trainer::load_checkpoint(const std::string& path) {
   const auto plan = field("recompute_plan");
   MEMTRAIN_CHECK(plan.empty() || static_cast<int64_t>(plan.size()) == model_->num_blocks(), DataError, "[checkpoint] ",
                  path, ": its recompute plan covers ", plan.size(), " blocks; the model has ", model_->num_blocks());
+
+  return stepped_names;
+}
+
+void Trainer::load_checkpoint(const std::string& path) {
+  const auto begin = std::chrono::steady_clock::now();
+  const auto ck = ::memtrain::load_checkpoint(path);
+  const auto& T = ck.tensors;
+  const auto& fields = ck.meta.fields;
+  auto field = [&](const std::string& key) {
+    auto it = fields.find(key);
+    return it == fields.end() ? std::string() : it->second;
+  };
+  // 1. Everything is checked before anything is copied.
+  const auto stepped_names = check_checkpoint(path, ck);
+  const auto plan = field("recompute_plan");
+  const auto state_fields = param_state_fields(*optimizer_);
+  std::map<std::string, torch::Tensor> params;
+  for (size_t i = 0; i < params_.size(); ++i) params[param_names_[i]] = params_[i];
+  std::map<std::string, torch::Tensor> buffers;
+  for (const auto& item : model_->named_buffers()) buffers[item.key()] = item.value();
 
   // 2. Copy. Parameters are replicated in stages 0-2: every rank takes the whole tensor, and its own
   //    part of the fp32 masters and the optimizer state.
@@ -227,11 +244,19 @@ void Trainer::load_checkpoint(const std::string& path) {
   split_ = std::max<int64_t>(1, count("micro_batch_split"));
   nonfinite_run_ = count("nonfinite_run");
 
+  say_resumed(path, ck, std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());
+}
+
+void Trainer::say_resumed(const std::string& path, const LoadedCheckpoint& ck, double seconds) const {
+  const auto& T = ck.tensors;
+  auto field = [&](const std::string& key) {
+    auto it = ck.meta.fields.find(key);
+    return it == ck.meta.fields.end() ? std::string() : it->second;
+  };
   if (world_.is_main()) {
     std::cout << "resumed:    step " << step_ << " from " << path << " (saved by " << ck.meta.world_size
               << (ck.meta.world_size == 1 ? " rank" : " ranks") << ", ZeRO stage " << ck.meta.zero_stage << "; read and checked in "
-              << std::fixed << std::setprecision(3)
-              << std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count() << " s)\n"
+              << std::fixed << std::setprecision(3) << seconds << " s)\n"
               << std::defaultfloat;
     if (scaler_ && !T.count("scaler/scale")) std::cout << "            (no loss-scaler state in it: the scale starts afresh)\n";
     // Settings that change the training itself and differ from the checkpoint's: said, not refused.

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <fstream>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -172,6 +173,11 @@ class Trainer {
   std::pair<std::string, double> timed_save();     // the folder and the seconds it took
   void finish(RunReport& report);
   std::vector<ShardPiece> state_pieces() const;
+  // load_checkpoint's checks, before anything is copied (DataError naming the tensor): the parameters that have
+  // optimizer state in it.
+  std::set<std::string> check_checkpoint(const std::string& path, const LoadedCheckpoint& ck) const;
+  // "resumed: step N from ..." and the settings that differ from the checkpoint's run (rank 0).
+  void say_resumed(const std::string& path, const LoadedCheckpoint& ck, double seconds) const;
   // The forward of training and evaluation: autocast, ZeRO-3's gathers, the blocks (recomputed as the
   // policy says), the head; the loss, and the logits in *logits when asked (none with the fused head).
   torch::Tensor forward_loss(const Batch& batch, torch::Tensor* logits = nullptr);
@@ -194,6 +200,10 @@ class Trainer {
   // clamped now (the planner clamps after its later timing rounds, retime_probe, instead).
   ActivationProbe probe_at(int64_t m0, int64_t m1, bool keep_grads, bool clamp = true);
   void retime_probe(ActivationProbe& p, bool keep_grads);  // times both points again, keeping the faster
+  // The planner's probes: one per (recompute policy, head) setting at m0 and m1, timed in rounds when `timed`.
+  // Leaves policy_ and head_rows_ at the last setting (the plan sets them).
+  std::vector<ActivationProbe> probe_settings(const std::vector<std::pair<std::string, std::string>>& settings, int64_t m0,
+                                              int64_t m1, bool keep_grads, bool timed);
   // memory.budget_mib: chooses micro-batch / accumulation, recompute policy, head and (several ranks) ZeRO
   // stage, writes them into config_ (setup, before the buckets exist). The candidates stay for correct_plan().
   void plan_to_budget();
