@@ -36,8 +36,11 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: memtrain-run --nproc-per-node N [--nnodes M --node-rank K] [--master-addr A] [--master-port P]\n"
-    "                    [--standalone] [--log-dir DIR] [--grace-s S] -- COMMAND [ARGS...]\n"
-    "  --master-port 0 (or --standalone on one node) picks a free port.\n";
+    "                    [--standalone] [--log-dir DIR] [--grace-s S] [--stop-grace-s S] -- COMMAND [ARGS...]\n"
+    "  --master-port 0 (or --standalone on one node) picks a free port.\n"
+    "  --grace-s S: after a rank fails, the others get S seconds (10) to exit before SIGKILL.\n"
+    "  --stop-grace-s S: after a SIGTERM / SIGINT to the launcher (forwarded), the ranks get S seconds (120) to\n"
+    "    finish their step and save before SIGKILL, so that a job stuck in a collective still ends.\n";
 
 struct Options {
   int nproc = 1, nnodes = 1, node_rank = 0;
@@ -46,6 +49,7 @@ struct Options {
   bool standalone = false;
   std::string log_dir;
   int grace_s = 10;  // after a rank failed: time for the others to exit before SIGKILL
+  int stop_grace_s = 120;  // after a forwarded SIGTERM / SIGINT: time to finish the step and save before SIGKILL
   std::vector<std::string> command;
 };
 
@@ -98,6 +102,8 @@ Options parse(int argc, char** argv) {
       o.log_dir = value("--log-dir");
     } else if (is("--grace-s")) {
       o.grace_s = parse_int("--grace-s", value("--grace-s"), 0);
+    } else if (is("--stop-grace-s")) {
+      o.stop_grace_s = parse_int("--stop-grace-s", value("--stop-grace-s"), 0);
     } else if (a.rfind("--", 0) == 0) {
       usage_error("unknown option '" + a + "'");
     } else {  // the command starts here (no "--")
@@ -319,11 +325,13 @@ int main(int argc, char** argv) {
     if (g_signal != 0) {  // forward it; the children save and exit (a second one: they exit at once)
       const int sig = g_signal;
       g_signal = 0;
-      std::cerr << "memtrain-run: " << strsignal(sig) << ": forwarding to the ranks\n";
-      // No SIGKILL timer here: the ranks are finishing a step and saving a checkpoint, which may take
-      // longer than any grace period; a second signal is forwarded too and makes them exit at once.
+      std::cerr << "memtrain-run: " << strsignal(sig) << ": forwarding to the ranks (SIGKILL to those still running in "
+                << o.stop_grace_s << " s, --stop-grace-s)\n";
+      // The ranks finish a step and save a checkpoint, which takes its time: --stop-grace-s (120 s) is for that.
+      // Ranks stuck in a collective (a peer stopped or gone) would never get there: they are killed after it,
+      // as torchrun does. A second signal is forwarded too and makes them exit at once.
       stop_all(sig == SIGHUP ? SIGTERM : sig);
-      ++forwarded;
+      if (forwarded++ == 0) stop_time = std::min(stop_time, std::chrono::steady_clock::now() + std::chrono::seconds(o.stop_grace_s));
     }
     for (; handled < g_exited; ++handled) {  // in exit order
       for (auto& c : children) {
@@ -343,15 +351,16 @@ int main(int argc, char** argv) {
                     << "; stopping the other ranks\n";
           stopping = true;
           stop_all(SIGTERM);
-          stop_time = std::chrono::steady_clock::now() + std::chrono::seconds(o.grace_s);
+          stop_time = std::min(stop_time, std::chrono::steady_clock::now() + std::chrono::seconds(o.grace_s));
         }
       }
     }
     bool any_running = false;
     for (const auto& c : children) any_running = any_running || c.running;
     if (!any_running) break;
-    if (stopping && std::chrono::steady_clock::now() > stop_time) {
-      std::cerr << "memtrain-run: ranks still running " << o.grace_s << " s after the stop: killing them\n";
+    if ((stopping || forwarded > 0) && std::chrono::steady_clock::now() > stop_time) {
+      std::cerr << "memtrain-run: ranks still running " << (stopping ? o.grace_s : o.stop_grace_s)
+                << " s after the stop: killing them\n";
       stop_all(SIGKILL);
       stop_time = std::chrono::steady_clock::time_point::max();
     }

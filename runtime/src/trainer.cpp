@@ -313,6 +313,10 @@ void Trainer::sync_buffers() {
 
 EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
   sync_buffers();
+  // Every rank issues the same collectives whatever its share of the data: ZeRO-3 gathers each block in
+  // every forward, so a rank with fewer batches (uneven shares, or none) runs the gathers of the missing
+  // forwards without computing them, after its own.
+  const auto forwards = static_cast<int64_t>(agreement().max(static_cast<double>(batches.size())));
   torch::NoGradGuard no_grad;
   model_->eval();
   // Evaluation's own peak on the training device (between steps: the step's peaks are reset at its start).
@@ -335,6 +339,7 @@ EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
     }
     e.samples += n;
   }
+  for (auto i = static_cast<int64_t>(batches.size()); i < forwards; ++i) gathers_of_a_forward();
   model_->train();
   if (track) e.peak_bytes = read_counters(measured).peak_allocated, e.activation_peak = e.peak_bytes - eval_start;
   if (dp_) dp_->release_all(), dp_->not_step_traffic(traffic);
@@ -348,6 +353,12 @@ EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
     if (classifier) e.accuracy = sums[1] / static_cast<double>(e.samples);
   }
   return e;
+}
+
+void Trainer::gathers_of_a_forward() {
+  if (!dp_ || dp_->stage() != 3) return;  // stages 0-2: a forward issues no collective
+  dp_->begin_forward();
+  for (int64_t i = 0; i < model_->num_blocks(); ++i) block_hooks_->before_block(i), block_hooks_->after_block(i);
 }
 
 int64_t Trainer::last_peak() const {

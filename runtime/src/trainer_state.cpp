@@ -295,15 +295,34 @@ void Trainer::resume_or_refuse() {
       fs::remove(fs::path(ckpt_dir_) / "latest", ec);
       std::cout << "overwrite:  started over in " << run_dir_ << " (log.overwrite = true)\n";
     }
-  } else if (ck.resume == "auto") {
-    path = find_latest_checkpoint(ckpt_dir_);
-    if (path.empty() && main)
-      std::cout << "resume:     no checkpoint in " << ckpt_dir_ << ": starting fresh"
-                << (fs::exists(metrics) ? " (metrics.jsonl is started anew)" : "") << "\n";
   } else {
-    path = ck.resume;
-    MEMTRAIN_CHECK(fs::is_directory(path), ConfigError, "[config] checkpoint.resume = ", path,
+    path = ck.resume == "auto" ? find_latest_checkpoint(ckpt_dir_) : ck.resume;
+    // Every rank looks for itself (a checkpoint folder local to each node): they agree on the step found (-1:
+    // none) before any of them loads, and refuse together when they differ. A rank that started fresh while
+    // the others loaded would leave them all in different collectives.
+    int64_t found = -1;
+    try {
+      if (!path.empty() && fs::is_directory(path)) found = read_manifest(path).step;
+    } catch (const std::exception&) {
+      found = -2;  // unreadable: load_checkpoint below names why
+    }
+    const auto ranks = agreement();
+    const auto lowest = static_cast<int64_t>(ranks.min(static_cast<double>(found)));
+    const auto highest = static_cast<int64_t>(ranks.max(static_cast<double>(found)));
+    if (lowest != highest)
+      throw DataError(detail::concat(
+          "[checkpoint] checkpoint.resume = ", ck.resume, ": the ranks found different checkpoints (this rank, ",
+          world_.rank, ": ", found >= 0 ? "step " + std::to_string(found) + " in " + path : std::string("none"),
+          "; over all ranks the steps range from ", lowest, " to ", highest, ", -1 for none): is ", ckpt_dir_,
+          " a folder every node sees? Nothing was loaded"));
+    MEMTRAIN_CHECK(ck.resume == "auto" || found != -1, ConfigError, "[config] checkpoint.resume = ", path,
                    ": no such checkpoint folder (expected auto, or the path of a step-N folder)");
+    if (ck.resume == "auto" && found == -1) {
+      if (main)
+        std::cout << "resume:     no checkpoint in " << ckpt_dir_ << ": starting fresh"
+                  << (fs::exists(metrics) ? " (metrics.jsonl is started anew)" : "") << "\n";
+      path.clear();
+    }
   }
   if (path.empty()) return;
   // Every rank reads the checkpoint; a failure on one (a missing file on its node, no host memory) stops

@@ -13,6 +13,7 @@
 #include "helpers.h"
 #include "memtrain/core/safetensors.h"
 #include "memtrain/core/state_checkpoint.h"
+#include "memtrain/data/datasets.h"
 
 namespace memtrain {
 namespace {
@@ -35,6 +36,7 @@ struct Run {
   std::map<std::string, torch::Tensor> weights;  // saved at the end by rank 0
   size_t parameters = 0;                         // tensors the model has: 4 + 12 per layer (by arithmetic)
   std::vector<std::string> last_memory;          // per rank: the last line of memory.rank<r>.jsonl
+  double val_loss = std::nan("");                // the final evaluation's (summary.json)
 };
 
 // The GPT's tensors: the token and position embeddings and the final LayerNorm's two (4), and per block two
@@ -75,6 +77,10 @@ Run train(int ranks, int64_t global_batch, const std::vector<std::string>& extra
     if (line.find("\"loss\"") == std::string::npos) continue;
     r.losses.push_back(field(line, "loss"));
     r.grad_norms.push_back(field(line, "grad_norm"));
+  }
+  if (std::ifstream summary(dir / name / "summary.json"); summary.good()) {
+    const auto j = nlohmann::json::parse(summary);
+    if (j.contains("val_loss") && j["val_loss"].is_number()) r.val_loss = j["val_loss"].get<double>();
   }
   if (fs::exists(dir / name / "checkpoints" / "model.safetensors"))
     r.weights = load_safetensors((dir / name / "checkpoints" / "model.safetensors").string());
@@ -243,6 +249,35 @@ TEST(DataParallel, StageThreeMatchesStageZeroAndOneProcessWithAndWithoutRecomput
       EXPECT_NE(three.output.find("parameters gathered per unit (2 blocks + root), prefetch 1"), std::string::npos)
           << three.output;
     }
+  }
+}
+
+TEST(DataParallel, StageThreeEvaluatesUnevenSharesAsOneProcessDoes) {
+  // Every forward of stage 3 gathers each block: a rank with fewer validation batches than another must still
+  // issue their gathers, or the job hangs (until dist.timeout_s, 60 s here). Fashion-MNIST's 6,000 held-out
+  // images in batches of 64 are 94 batches, dealt to 3 ranks as 32, 31 and 31 (a partial last one); the text's
+  // held-out tail cut to 80 bytes holds (80 - 1) / 32 = 2 windows, so the third rank has no batch at all. The
+  // validation loss is the mean over the same samples as one process's (batches of 192 or 12, fp32 sums).
+  const auto corpus = static_cast<double>(fs::file_size(fs::path(default_data_dir()) / "text" / "austen.txt"));
+  const std::string tail = "--data.val_fraction=" + std::to_string(80.5 / corpus);
+  struct Case {
+    const char* what;
+    int64_t global;
+    std::vector<std::string> args;
+  };
+  for (const auto& c : std::vector<Case>{
+           {"fashion", 192, {"--config " + test::source("examples/configs/mlp_fashion_cpu.ini"), "--train.steps=2"}},
+           {"text", 12, {tail}}}) {
+    SCOPED_TRACE(c.what);
+    auto args = c.args;
+    args.insert(args.end(), {"--train.eval_batches=1000", "--train.eval_every=1", "--dist.timeout_s=60"});
+    const auto one = train(1, c.global, args);
+    args.push_back("--dist.zero_stage=3");
+    const auto three = train(3, c.global, args);
+    ASSERT_EQ(one.code, 0) << one.output;
+    ASSERT_EQ(three.code, 0) << three.output;
+    ASSERT_FALSE(std::isnan(one.val_loss)) << one.output;
+    EXPECT_NEAR(three.val_loss, one.val_loss, 1e-5 * one.val_loss) << three.output;
   }
 }
 
@@ -581,6 +616,61 @@ TEST(DataParallel, AStageThreeCheckpointResumesBitExactAndReshards) {
       EXPECT_NEAR(std::stod(got[s]), std::stod(straight.second[3 + s]), 1e-5 * std::stod(straight.second[3 + s]))
           << ranks << " ranks, step " << 4 + s;
   }
+}
+
+TEST(DataParallel, ASigtermEndsAJobStuckInACollectiveAfterTheStopGracePeriod) {
+  // Rank 1 is stopped (SIGSTOP) while both train; a SIGTERM to the launcher (a Slurm scancel) is forwarded, rank 0
+  // finishes its step and waits in a collective for rank 1 that never comes. The launcher must SIGKILL both after
+  // --stop-grace-s (3 s here), timed from the SIGTERM, not wait for the collective timeout (300 s).
+  test::TempDir dir;
+  const auto log = dir.path("job.log");
+  const std::string script = test::binary("memtrain-run") + " --standalone --nproc-per-node 2 --stop-grace-s 3 -- " +
+                             test::binary("memtrain") + " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
+                             " --model.n_layer=2 --model.n_embd=32 --model.n_head=2 --model.block_size=32"
+                             " --train.steps=100000 --log.progress=lines --log.dir=" + dir.path() + " > " + log + " 2>&1 & L=$!; " +
+                             test::wait_for_line(log, "^\\[rank 0\\] step ", 120) +
+                             "; kids=$(pgrep -P $L); victim=$(echo \"$kids\" | tail -1); kill -STOP $victim; sleep 0.5; "
+                             "t0=$(date +%s.%N); kill -TERM $L; " + test::wait_at_most("$L", 120) +
+                             "; echo \"exit=$?\"; t1=$(date +%s.%N); echo \"t0=$t0 t1=$t1\"; sleep 0.5; left=none-left; "
+                             "for k in $kids; do kill -0 $k 2>/dev/null && left=LEFT; done; echo $left; cat " + log;
+  const auto out = test::shell(script);
+  EXPECT_NE(out.find("none-left"), std::string::npos) << out;
+  EXPECT_NE(out.find("after the stop: killing them"), std::string::npos) << out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(out, m, std::regex("t0=([0-9.]+) t1=([0-9.]+)"))) << out;
+  EXPECT_LT(std::stod(m[2]) - std::stod(m[1]), 3 + 5) << out;
+}
+
+TEST(DataParallel, RanksThatFindDifferentCheckpointsRefuseTogether) {
+  // Node-local checkpoint folders, as on two machines: a run saves step 2 into a shared folder, which then
+  // becomes rank 0's own (checkpoint.dir = DIR/rank$RANK, set per rank by a shell around memtrain), and rank 1's
+  // is empty. On resume = auto rank 0 finds step 2 and rank 1 none: both must stop with one clear error before
+  // anything is loaded, not start apart (rank 1 fresh, rank 0 loading) and meet in different collectives.
+  test::TempDir dir;
+  const std::string model = " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
+                            " --model.n_layer=2 --model.n_head=2 --model.n_embd=32 --model.block_size=32 --train.steps=4"
+                            " --train.micro_batch=4 --train.eval_every=0 --log.progress=lines --dist.timeout_s=30 --log.dir=" +
+                            dir.path() + " --log.name=r";
+  const std::string launcher = "timeout 120 " + test::binary("memtrain-run") + " --standalone --nproc-per-node 2 -- ";
+  int code = -1;
+  auto out = test::shell(launcher + test::binary("memtrain") + model + " --train.steps=2 --checkpoint.dir=" + dir.path("shared") +
+                             " 2>&1",
+                         &code);
+  ASSERT_EQ(code, 0) << out;
+  fs::rename(dir.path("shared"), dir.path("rank0"));
+  fs::create_directories(dir.path("rank1"));
+  const std::string per_rank = "sh -c 'exec " + test::binary("memtrain") + " \"$@\" --checkpoint.dir=" + dir.path() +
+                               "/rank$RANK' sh";
+  out = test::shell(launcher + per_rank + model + " --checkpoint.resume=auto 2>&1", &code);
+  EXPECT_NE(code, 0) << out;
+  EXPECT_NE(code, 124) << "the job hung:\n" << out;
+  // Both ranks throw after the same agreement; the first to exit ends the job (memtrain-run stops the other),
+  // so one message is certain, the second likely.
+  EXPECT_NE(out.find("memtrain: [checkpoint] checkpoint.resume = auto: the ranks found different checkpoints"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("the steps range from -1 to 2"), std::string::npos) << out;
+  EXPECT_EQ(out.find("resumed:"), std::string::npos) << "a rank loaded:\n" << out;
 }
 
 TEST(DataParallel, AKilledRankEndsTheJobNamingItWithNoProcessLeft) {

@@ -182,6 +182,9 @@ class Trainer {
   // policy says), the head; the loss, and the logits in *logits when asked (none with the fused head).
   torch::Tensor forward_loss(const Batch& batch, torch::Tensor* logits = nullptr);
   Batch to_device(Batch batch) const;
+  // ZeRO-3: the collectives of one forward (the root's gather, each block's gather and prefetch) without the
+  // forward, for a rank whose share of an evaluation has fewer batches than another's. No-op otherwise.
+  void gathers_of_a_forward();
   // Several ranks, or one whose optimizer state is offloaded (a group of one), train through DataParallel and its
   // sharded optimizer; `world` ranks under this config.
   bool sharded(int world) const { return world > 1 || config_.dist.offload_optimizer == "cpu"; }
