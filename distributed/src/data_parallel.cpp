@@ -469,6 +469,9 @@ void DataParallel::gather_unit(int64_t unit) {
   for (auto k : unit_buckets_[static_cast<size_t>(unit)]) {
     auto& b = *buckets_[k];
     if (b.gathered) continue;
+    // resize_storage swaps the storage's memory: a gather still writing into it would write into freed memory.
+    // release() waits for a bucket's gather before it frees, so none can be pending here.
+    TORCH_INTERNAL_ASSERT(!b.gather.pending(), "stage 3: bucket ", k, " is gathered again while its last gather is pending");
     const auto bytes = static_cast<size_t>(b.size) * b.flat.element_size();
     resize_storage(b.flat, bytes);
     if (b.flat.is_cpu()) cpu_memory::mark(b.flat.storage().data(), cpu_memory::Kind::kGathered);

@@ -218,8 +218,10 @@ int main(int argc, char** argv) {
     if (trainer && trainer->world().world_size > 1) std::_Exit(code);
     return code;
   };
+  int64_t limit_mib = 0;  // for an out-of-memory error outside a step (the step's own names the step)
   try {
     auto config = memtrain::Config::load(args.config_path, args.overrides);
+    limit_mib = config.memory.limit_mib;
     if (memtrain::World::from_env().is_main())
       for (const auto& w : config.warnings) std::cerr << "memtrain: warning: " << w << "\n";
     if (args.print_only) {
@@ -235,6 +237,14 @@ int main(int argc, char** argv) {
     return 0;
   } catch (const memtrain::Error& e) {
     std::cerr << "memtrain: " << e.what() << "\n";
+    return leave(2);
+  } catch (const c10::OutOfMemoryError& e) {
+    // Outside a step (setup, a collective between steps, a save): the same form as a step's own error.
+    const std::string what = e.what_without_backtrace();
+    std::cerr << "memtrain: [memory] out of memory outside a training step (" << what.substr(0, what.find('\n'))
+              << "); memory.limit_mib = " << limit_mib << (limit_mib == 0 ? " (none: the device is full)" : "")
+              << ". Lower train.micro_batch, recompute more (memory.recompute), shard more (dist.zero_stage) or raise "
+                 "the limit\n";
     return leave(2);
   } catch (const c10::Error& e) {
     std::cerr << "memtrain: LibTorch error: " << e.what_without_backtrace() << "\n";

@@ -128,7 +128,12 @@ void Trainer::resolve_budget_policy() {
   // DataParallel::begin_step re-attaches the parameters' gradient buckets.
   if (!dp_) optimizer_->zero_grad(true);
   model_->zero_grad(true);
-  policy_.blocks = plan_checkpoint_budget(profile, static_cast<int64_t>(policy_.budget_mib * 1024 * 1024));
+  // Rank 0's plan on every rank: each measured its own blocks, and ranks that recompute different blocks would
+  // issue stage 3's gathers in different orders.
+  const auto blocks = plan_checkpoint_budget(profile, static_cast<int64_t>(policy_.budget_mib * 1024 * 1024));
+  std::vector<int64_t> flags(blocks.begin(), blocks.end());
+  flags = agreement().from_rank0(flags);
+  policy_.blocks.assign(flags.begin(), flags.end());
 }
 
 StepResult Trainer::step() {

@@ -12,6 +12,7 @@
 #include <numeric>
 #include <iostream>
 #include <optional>
+#include <sstream>
 
 #include "memtrain/core/cpu_memory.h"
 #include "memtrain/core/error.h"
@@ -147,7 +148,8 @@ int64_t Trainer::budget_bytes() const {
 void Trainer::plan_to_budget() {
   auto& t = config_.train;
   auto& m = config_.memory;
-  plan_budget_ = budget_bytes();
+  // Rank 0's budget for every rank (memory.budget_mib = auto reads each machine's free memory).
+  plan_budget_ = agreement().from_rank0({budget_bytes()}).front();
   const bool sharded = this->sharded(world_.world_size);
   MEMTRAIN_CHECK(device_.is_cuda() || cpu_memory::installed(), Error,
                  "[planner] memory.budget_mib on CPU needs memtrain::cpu_memory::install() at the start of main()");
@@ -218,14 +220,40 @@ void Trainer::plan_to_budget() {
       }
     }
   }
-  auto plan = choose_plan(plan_candidates_, plan_budget_, m.budget_headroom);
-  plan.timed = timed;
-  if (world_.is_main()) std::cout << plan.explain() << std::flush;
-  t.micro_batch = plan.chosen.micro_batch, t.accum_steps = plan.chosen.accum_steps;
+  const auto chosen = agreed_choice(plan_candidates_, plan_budget_, timed, "");
+  t.micro_batch = chosen.micro_batch, t.accum_steps = chosen.accum_steps;
   data_->set_accum_steps(t.accum_steps);
-  m.recompute = plan.chosen.recompute, m.head = plan.chosen.head;
-  config_.dist.zero_stage = plan.chosen.stage;
-  config_.dist.offload_optimizer = plan.chosen.offload ? "cpu" : "none";
+  m.recompute = chosen.recompute, m.head = chosen.head;
+  config_.dist.zero_stage = chosen.stage;
+  config_.dist.offload_optimizer = chosen.offload ? "cpu" : "none";
+}
+
+PlanCandidate Trainer::agreed_choice(const std::vector<PlanCandidate>& candidates, int64_t budget, bool timed,
+                                     const std::string& preface) {
+  // Every rank enumerates the same candidates in the same order, but their estimates come from their own
+  // probes (another GPU's workspace, another machine's allocator): rank 0 chooses, and its choice travels as
+  // an index, so that every rank builds the same buckets. Rank 0 finding nothing that fits stops every rank.
+  std::string error;
+  int64_t index = -1;
+  try {
+    auto plan = choose_plan(candidates, budget, config_.memory.budget_headroom);
+    plan.timed = timed;
+    for (size_t i = 0; i < candidates.size() && index < 0; ++i) {
+      const auto& c = candidates[i];
+      if (c.micro_batch == plan.chosen.micro_batch && c.recompute == plan.chosen.recompute && c.head == plan.chosen.head &&
+          c.stage == plan.chosen.stage && c.offload == plan.chosen.offload)
+        index = static_cast<int64_t>(i);
+    }
+    if (world_.is_main()) std::cout << preface << plan.explain() << std::flush;
+  } catch (const ConfigError& e) {
+    error = e.what();
+  }
+  index = agreement().from_rank0({index}).front();
+  if (index < 0)
+    throw ConfigError(world_.is_main() ? error
+                                       : "[planner] rank 0 found no setting that fits memory.budget_mib (its message names "
+                                         "the smallest budget that would)");
+  return candidates[static_cast<size_t>(index)];
 }
 
 std::vector<ActivationProbe> Trainer::probe_settings(const std::vector<std::pair<std::string, std::string>>& settings,
@@ -266,17 +294,16 @@ void Trainer::correct_plan(int64_t measured_peak) {
     c.estimate.device.activations = static_cast<int64_t>(static_cast<double>(c.estimate.device.activations) * scale);
     same_stage.push_back(c);
   }
-  auto plan = choose_plan(same_stage, plan_budget_, config_.memory.budget_headroom);
-  plan.timed = world_.world_size == 1;
-  if (world_.is_main())
-    std::cout << "memory: step peak " << format_bytes(measured_peak) << " is over memory.budget_mib; activations were "
-              << "under-estimated by x" << scale << ", so the plan is made again:\n" << plan.explain() << std::flush;
-  config_.train.micro_batch = plan.chosen.micro_batch, config_.train.accum_steps = plan.chosen.accum_steps;
+  std::ostringstream preface;
+  preface << "memory: step peak " << format_bytes(measured_peak) << " is over memory.budget_mib; activations were "
+          << "under-estimated by x" << scale << ", so the plan is made again:\n";
+  const auto chosen = agreed_choice(same_stage, plan_budget_, world_.world_size == 1, preface.str());
+  config_.train.micro_batch = chosen.micro_batch, config_.train.accum_steps = chosen.accum_steps;
   data_->set_accum_steps(config_.train.accum_steps);
-  config_.memory.recompute = plan.chosen.recompute, config_.memory.head = plan.chosen.head;
-  policy_ = RecomputePolicy::parse(plan.chosen.recompute);
+  config_.memory.recompute = chosen.recompute, config_.memory.head = chosen.head;
+  policy_ = RecomputePolicy::parse(chosen.recompute);
   policy_.offload = config_.memory.offload;
-  head_rows_ = parse_head_rows(plan.chosen.head);
+  head_rows_ = parse_head_rows(chosen.head);
 }
 
 EstimateInputs Trainer::estimate_inputs(int world) const {

@@ -1,5 +1,6 @@
 // Trainer::setup(): the parts of a run built in order from the config, one numbered builder each. Where
-// sharding is decided: step 4 (sharded(), after memory.budget_mib's plan) and step 7 (DataParallel).
+// sharding is decided: step 5 (sharded(), after memory.budget_mib's plan, which rank 0 decides for every
+// rank) and step 8 (DataParallel).
 #include <c10/cuda/CUDAFunctions.h>
 
 #include <filesystem>
@@ -72,16 +73,17 @@ void Trainer::setup() {
   setup_device();                         // 1. device, threads, allocator settings, precision
   auto masters = setup_parameters();      // 2. trainable parameters; bf16 ones with fp32 masters
   setup_units();                          // 3. ZeRO-3's unit of each parameter (and the estimate's)
-  const bool sharded = setup_plan(masters);  // 4. memory.budget_mib's plan; whether the optimizer is sharded
+  setup_group();                          // 4. several ranks: the rendezvous and process group
+  const bool sharded = setup_plan(masters);  // 5. memory.budget_mib's plan; whether the optimizer is sharded
   if (!sharded)
     optimizer_ = make_optimizer(optimizer_options(config_.train),
                                 config_.train.param_dtype == "bf16" ? masters : model_->named_parameters());
-  setup_recompute_and_head();             // 5. which blocks recompute; the fused head
-  make_estimate();                        // 6. the memory estimate (before the buckets: the model is whole)
-  if (sharded) setup_data_parallel();     // 7. process group, buckets, the sharded optimizer
-  setup_schedule_and_scaler();            // 8. learning-rate schedule; fp16's loss scaler
-  setup_tracker();                        // 9. the memory tracker and what it counts
-  setup_outputs();                        // 10. run and checkpoint folders; the memory limit
+  setup_recompute_and_head();             // 6. which blocks recompute; the fused head
+  make_estimate();                        // 7. the memory estimate (before the buckets: the model is whole)
+  if (sharded) setup_data_parallel();     // 8. buckets, the sharded optimizer
+  setup_schedule_and_scaler();            // 9. learning-rate schedule; fp16's loss scaler
+  setup_tracker();                        // 10. the memory tracker and what it counts
+  setup_outputs();                        // 11. run and checkpoint folders; the memory limit
 }
 
 void Trainer::setup_device() {
@@ -137,6 +139,14 @@ void Trainer::setup_units() {
   }
 }
 
+void Trainer::setup_group() {
+  // Before the plan: where ranks could decide differently (the planner's measurements, its budget), rank 0
+  // decides and publishes through the group. One process makes its group of one (offload) in step 8.
+  if (world_.world_size == 1) return;
+  const auto& d = config_.dist;
+  group_ = ProcessGroup::create(world_, {.backend = d.backend, .timeout = std::chrono::seconds(d.timeout_s), .device = device_});
+}
+
 bool Trainer::setup_plan(torch::OrderedDict<std::string, torch::Tensor>& masters) {
   // memory.budget_mib: the settings read after this (micro-batch, recompute, head, stage, offload) are the plan's.
   if (parse_budget_mib(config_.memory.budget_mib) == 0) return sharded(world_.world_size);
@@ -161,12 +171,14 @@ void Trainer::setup_recompute_and_head() {
 }
 
 void Trainer::setup_data_parallel() {
-  // Rendezvous, process group, flat buckets; the optimizer steps the buckets' parts this rank owns.
+  // Flat buckets over the group (one process with offload: a group of one, made here); the optimizer steps the
+  // buckets' parts this rank owns.
   const auto& d = config_.dist;
-  auto group = ProcessGroup::create(world_, {.backend = d.backend, .timeout = std::chrono::seconds(d.timeout_s), .device = device_});
+  if (!group_)
+    group_ = ProcessGroup::create(world_, {.backend = d.backend, .timeout = std::chrono::seconds(d.timeout_s), .device = device_});
   std::vector<std::pair<std::string, torch::Tensor>> named;
   for (size_t i = 0; i < params_.size(); ++i) named.emplace_back(param_names_[i], params_[i]);
-  dp_ = std::make_unique<DataParallel>(group, named, data_parallel_options(config_, param_dtype_ != torch::kFloat, units_));
+  dp_ = std::make_unique<DataParallel>(group_, named, data_parallel_options(config_, param_dtype_ != torch::kFloat, units_));
   if (d.zero_stage == 3) block_hooks_ = std::make_unique<GatherBlocks>(*dp_);
   optimizer_ = make_optimizer(optimizer_options(config_.train), dp_->decay_tensors(), dp_->no_decay_tensors());
   sync_buffers();  // an embedder's model may start with other statistics on each rank

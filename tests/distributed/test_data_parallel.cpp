@@ -281,6 +281,31 @@ TEST(DataParallel, StageThreeEvaluatesUnevenSharesAsOneProcessDoes) {
   }
 }
 
+TEST(DataParallel, EveryRankTrainsRankZerosPlanWhateverItsOwnBudget) {
+  // memory.budget_mib = auto reads each machine's free memory, and each rank measures its own probe: ranks can
+  // reach different plans. Here rank 0 plans for 10 MiB (by the estimate, 12.1 MiB unplanned: it must halve the
+  // micro-batch) and rank 1 for auto (gigabytes: it would keep micro-batches of 8). Every rank must train rank 0's
+  // plan: bitwise the losses of the run where both ranks plan for 10 MiB. (Before rank 0 decided, rank 1 trained
+  // other samples, silently: different losses.)
+  test::TempDir dir;
+  const auto budgets = dir.file("rank_budget.sh", "#!/bin/sh\nif [ \"$RANK\" = 0 ]; then exec \"$@\" --memory.budget_mib=10; "
+                                                  "else exec \"$@\" --memory.budget_mib=auto; fi\n");
+  // train() runs "<launcher> --nproc-per-node 2 <memtrain ...>": this launcher puts the budget script before memtrain.
+  const auto launcher = dir.file("launch.sh", "#!/bin/sh\nshift 2\nexec " + test::binary("memtrain-run") +
+                                                  " --standalone --nproc-per-node 2 -- sh " + budgets + " \"$@\"\n");
+  const std::vector<std::string> model = {"--model.n_layer=4", "--model.n_embd=64", "--dist.timeout_s=60"};
+  auto same = model;
+  same.push_back("--memory.budget_mib=10");
+  const auto both = train(2, 16, same);
+  const auto mixed = train(2, 16, model, "sh " + launcher);
+  ASSERT_EQ(both.code, 0) << both.output;
+  ASSERT_EQ(mixed.code, 0) << mixed.output;
+  EXPECT_NE(both.output.find("chosen:    micro-batch 4 x 2"), std::string::npos) << both.output;
+  ASSERT_EQ(both.losses.size(), 4u);
+  EXPECT_EQ(mixed.losses, both.losses);
+  EXPECT_EQ(mixed.grad_norms, both.grad_norms);
+}
+
 TEST(DataParallel, StageThreeWithTiedWeightsBf16AccumulationAndMasters) {
   // The GPT's token embedding is also its output head (tied): one parameter used at both ends of the
   // model, in the root unit, whose gradient must arrive exactly once. bf16 autocast, two micro-batches,

@@ -7,6 +7,7 @@
 //   if (!ranks.all(saved_ok)) throw ...;            // every rank refuses together
 //   const double loss = ranks.mean(local_loss);     // the mean over ranks
 //   auto rows = ranks.gather_rows(mine);            // (world, rows, fields) int64 on the host
+//   auto plan = ranks.from_rank0({chosen_index});   // rank 0 decides, every rank applies its choice
 #pragma once
 
 #include <torch/types.h>
@@ -16,11 +17,13 @@
 namespace memtrain {
 
 class DataParallel;
+class ProcessGroup;
 
 class RankAgreement {
  public:
-  // `dp`: the run's data-parallel engine (its process group), or null in one process.
-  RankAgreement(DataParallel* dp, c10::Device device) : dp_(dp), device_(device) {}
+  // Through `dp` (its process group, outside the step's traffic) once it exists; through `group` before (the
+  // planner decides before the buckets are made); neither: one process.
+  RankAgreement(DataParallel* dp, ProcessGroup* group, c10::Device device) : dp_(dp), group_(group), device_(device) {}
 
   bool all(bool ok) const;         // true on every rank
   bool any(bool flag) const;       // true on some rank
@@ -31,10 +34,14 @@ class RankAgreement {
   double min(double value) const;
   // Every rank's `rows` (the same shape on every rank), stacked: (world, rows...) int64 on the host.
   torch::Tensor gather_rows(const torch::Tensor& rows) const;
+  // Rank 0's values on every rank (a broadcast): where each rank could measure differently, rank 0 decides.
+  std::vector<int64_t> from_rank0(std::vector<int64_t> values) const;
   int world() const;
 
  private:
+  void all_reduce(torch::Tensor& t, bool max) const;
   DataParallel* dp_;
+  ProcessGroup* group_;
   c10::Device device_;
 };
 

@@ -145,7 +145,7 @@ class Trainer {
   // The checkpoint this run resumed from ("" for a fresh run).
   const std::string& resumed_from() const { return resumed_from_; }
   // Ranks agreeing on host values outside the step (a collective per call when there are ranks).
-  RankAgreement agreement() const { return RankAgreement(dp_.get(), device_); }
+  RankAgreement agreement() const { return RankAgreement(dp_.get(), group_.get(), device_); }
 
  private:
   // setup(), in numbered steps (trainer_setup.cpp).
@@ -153,12 +153,13 @@ class Trainer {
   void setup_device();                                           // 1
   torch::OrderedDict<std::string, torch::Tensor> setup_parameters();  // 2: returns the fp32 masters by name
   void setup_units();                                            // 3
-  bool setup_plan(torch::OrderedDict<std::string, torch::Tensor>& masters);  // 4: returns sharded
-  void setup_recompute_and_head();                               // 5
-  void setup_data_parallel();                                    // 7
-  void setup_schedule_and_scaler();                              // 8
-  void setup_tracker();                                          // 9
-  void setup_outputs();                                          // 10
+  void setup_group();                                            // 4
+  bool setup_plan(torch::OrderedDict<std::string, torch::Tensor>& masters);  // 5: returns sharded
+  void setup_recompute_and_head();                               // 6
+  void setup_data_parallel();                                    // 8
+  void setup_schedule_and_scaler();                              // 9
+  void setup_tracker();                                          // 10
+  void setup_outputs();                                          // 11
 
   StepResult attempt_step();
   torch::Tensor run_micro_batches();                           // attempt_step's 1-2: the summed loss
@@ -214,6 +215,10 @@ class Trainer {
   // activations scaled by the measured error (same ZeRO stage) and applied from the next step.
   void correct_plan(int64_t measured_peak);
   int64_t budget_bytes() const;
+  // The plan among `candidates` for `budget`, chosen by rank 0 and applied by every rank (printed by rank 0,
+  // after `preface`); ConfigError on every rank when rank 0 finds nothing that fits.
+  PlanCandidate agreed_choice(const std::vector<PlanCandidate>& candidates, int64_t budget, bool timed,
+                              const std::string& preface);
   EstimateInputs estimate_inputs(int world) const;
   void make_estimate();                    // setup(): estimate_ for this run
   // Before the probe at micro_batch: says what it measures, and stops with an error naming the free memory
@@ -228,7 +233,8 @@ class Trainer {
   std::vector<torch::Tensor> params_;
   std::vector<torch::Tensor> master_;  // param_dtype bf16: fp32 copies, same order as params_
   c10::ScalarType param_dtype_ = torch::kFloat;
-  std::unique_ptr<DataParallel> dp_;  // several ranks, or offload
+  std::shared_ptr<ProcessGroup> group_;  // several ranks (setup step 4), or offload (a group of one, step 8)
+  std::unique_ptr<DataParallel> dp_;     // several ranks, or offload
   std::unique_ptr<BlockHooks> block_hooks_;  // ZeRO stage 3: gathers each block's parameters around it
   TraceBlocks* trace_blocks_ = nullptr;      // log.trace_blocks: block_hooks_ itself, around any gathers
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
