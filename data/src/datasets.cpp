@@ -72,7 +72,9 @@ class WindowDataset : public Dataset {
   std::vector<Batch> val_batches(int64_t batch_size, int64_t max_batches) override {
     // Non-overlapping windows from the start of the held-out tokens, dealt round-robin to ranks.
     const int64_t count = std::min((src_.val.size(0) - 1) / block_, batch_size * max_batches * shard_.world);
-    auto starts = torch::arange(shard_.rank, count, shard_.world, torch::kLong) * block_;
+    // A rank past the last window (fewer windows than ranks) has none: arange would refuse start > end.
+    auto starts = count > shard_.rank ? torch::arange(shard_.rank, count, shard_.world, torch::kLong) * block_
+                                      : torch::empty({0}, torch::kLong);
     std::vector<Batch> out;
     for (int64_t b = 0; b < starts.size(0); b += batch_size) out.push_back(windows(src_.val, starts.slice(0, b, b + batch_size)));
     return out;

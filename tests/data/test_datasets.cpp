@@ -80,6 +80,21 @@ TEST(TextData, ValidationIsHeldOutAndStable) {
   }
 }
 
+TEST(TextData, RanksPastTheLastValidationWindowGetNone) {
+  // 4000 bytes, a tail of 400 held out: (400 - 1) / 8 = 49 windows of 8 + 1, dealt round-robin to 64 ranks:
+  // ranks 0-48 one each, ranks 49-63 none (and no error).
+  test::TempDir dir;
+  const auto path = alphabet_text(dir);
+  int64_t windows = 0;
+  for (int rank = 0; rank < 64; ++rank) {
+    auto v = make_text_dataset(text_options(path), {rank, 64})->val_batches(4, 10);
+    const int64_t mine = v.empty() ? 0 : v[0].input.size(0);
+    EXPECT_EQ(mine, rank < 49 ? 1 : 0) << "rank " << rank;
+    windows += mine;
+  }
+  EXPECT_EQ(windows, 49);
+}
+
 TEST(TextData, MissingAndShortFilesAreNamed) {
   auto msg = test::error_of([] { make_text_dataset(text_options("/no/such/corpus.txt"), {}); });
   EXPECT_NE(msg.find("'/no/such/corpus.txt' not found"), std::string::npos) << msg;

@@ -6,8 +6,10 @@
 #include <nlohmann/json.hpp>
 #include <signal.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <regex>
 
 #include "helpers.h"
@@ -304,6 +306,43 @@ TEST(DataParallel, EveryRankTrainsRankZerosPlanWhateverItsOwnBudget) {
   ASSERT_EQ(both.losses.size(), 4u);
   EXPECT_EQ(mixed.losses, both.losses);
   EXPECT_EQ(mixed.grad_norms, both.grad_norms);
+}
+
+TEST(DataParallel, RandomUnevenJobsAtEveryStageAlwaysFinish) {
+  // A fuzz of what the data decides: seeded random jobs over stages 0-3 on 2 or 3 ranks, with accumulation,
+  // evaluation points, held-out tails small enough that some ranks get no validation batch, and some jobs
+  // with a learning rate that blows up (non-finite steps, skipped). Every job must end by itself (exit 0, or
+  // train.max_nonfinite's clear stop) well inside its limit: a collective issued by some ranks only would hang
+  // it until dist.timeout_s (30 s) and the shell's timeout.
+  const auto corpus = static_cast<double>(fs::file_size(fs::path(default_data_dir()) / "text" / "austen.txt"));
+  std::mt19937 rng(20261203);
+  auto pick = [&](int n) { return static_cast<int>(rng() % static_cast<unsigned>(n)); };
+  for (int job = 0; job < 8; ++job) {
+    const int ranks = 2 + pick(2), stage = pick(4), accum = 1 + pick(2), eval_every = 1 + pick(3);
+    const int tail = 33 + pick(32 * 7);  // held-out bytes: 0 to 6 windows of 32 + 1
+    const bool blow_up = pick(4) == 0;
+    const std::string args = " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
+                             " --model.n_layer=2 --model.n_head=2 --model.n_embd=32 --model.block_size=32"
+                             " --train.steps=4 --train.micro_batch=2 --train.accum_steps=" + std::to_string(accum) +
+                             " --train.eval_every=" + std::to_string(eval_every) + " --train.eval_batches=100"
+                             " --data.val_fraction=" + std::to_string((tail + 0.5) / corpus) +
+                             " --dist.zero_stage=" + std::to_string(stage) + " --dist.timeout_s=30"
+                             " --train.max_nonfinite=2 --log.progress=lines --checkpoint.save_final=false" +
+                             (blow_up ? " --train.optimizer=sgd --train.lr=1e12 --train.grad_clip=0" : "") +
+                             " --log.dir=" + test::run_root() + " --log.overwrite=true --log.name=fuzz" + std::to_string(job);
+    SCOPED_TRACE("job " + std::to_string(job) + ":" + args);
+    int code = -1;
+    const auto begin = std::chrono::steady_clock::now();
+    const auto out = test::shell("timeout 100 " + test::binary("memtrain-run") + " --standalone --nproc-per-node " +
+                                     std::to_string(ranks) + " -- " + test::binary("memtrain") + args + " 2>&1",
+                                 &code);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+    EXPECT_NE(code, 124) << "hung:\n" << out;
+    EXPECT_LT(seconds, 25) << out;
+    if (code != 0) {
+      EXPECT_NE(out.find("train.max_nonfinite = 2"), std::string::npos) << out;
+    }
+  }
 }
 
 TEST(DataParallel, StageThreeWithTiedWeightsBf16AccumulationAndMasters) {
