@@ -3,8 +3,10 @@
 # our Debian packages and no network. Run HERE after scripts/setup.sh; the device tool carries the
 # folder there (carry [".gpu"], command "bash scripts/gpu_check.sh").
 #   .gpu/usr/...   exactly what the build needs from this machine's packages (Boost.Program_options,
-#                  GoogleTest, nlohmann-json, zlib), at Debian's own paths, so that the packages'
-#                  CMake config files, which locate everything relative to themselves, keep working;
+#                  GoogleTest, nlohmann-json, zlib, and gloo's headers: the wheel ships c10d's Gloo
+#                  backend but not the headers its ProcessGroupGloo.hpp includes), at Debian's own paths,
+#                  so that the packages' CMake config files, which locate everything relative to
+#                  themselves, keep working;
 #   .gpu/data/text the prepared Austen text, .gpu/data/tokens its BPE token files (Fashion-MNIST, 55 MB
 #                  unpacked, stays behind).
 # Files are copied with links resolved (no symbolic links travel). Idempotent: rebuilds .gpu from
@@ -38,6 +40,7 @@ put $LIB/libboost_program_options.so $LIB/libboost_program_options.so.$BOOST \
 { echo '#include <boost/program_options.hpp>'
   grep -rhoE '^#include <boost/[^>]+>' --include='*.cpp' --include='*.h' "$ROOT"/{runtime,models,optim,data,distributed,tests} || true
 } >"$TMP/po.cpp"
+echo '#include <gloo/context.h>' >"$TMP/gloo.cpp"
 for std in c++17 c++20; do g++ -std=$std -M "$TMP/po.cpp"; done \
   | tr -s ' \\' '\n' | grep '^/usr/include/boost/' | xargs realpath -ms | sort -u >"$TMP/boost.txt"
 put $(cat "$TMP/boost.txt")
@@ -49,12 +52,14 @@ put /usr/include/gtest /usr/include/gmock $LIB/cmake/GTest \
 # of ours on LD_LIBRARY_PATH there would shadow a newer system one for torch and python too.
 put /usr/include/nlohmann /usr/share/cmake/nlohmann_json
 put /usr/include/zlib.h /usr/include/zconf.h $LIB/libz.so
+# gloo's headers (libgloo-dev): CMakeLists.txt's find_path(MEMTRAIN_GLOO_INCLUDE gloo/context.h) must find them.
+put /usr/include/gloo
 log "$(wc -l <"$TMP/boost.txt") Boost headers; .gpu holds $(find "$P" -type f | wc -l) files, $(du -sh "$P" | cut -f1)"
 
 # Proof 1: every header of the four packages resolves inside .gpu when it comes first on the path.
-for f in "$TMP/po.cpp" "$ROOT/scripts/gpu_smoke/smoke.cpp"; do g++ -std=c++20 -M -isystem "$P/usr/include" "$f"; done \
+for f in "$TMP/po.cpp" "$TMP/gloo.cpp" "$ROOT/scripts/gpu_smoke/smoke.cpp"; do g++ -std=c++20 -M -isystem "$P/usr/include" "$f"; done \
   | tr -s ' \\' '\n' \
-  | grep -E '^/usr/include/(boost|gtest|gmock|nlohmann|zlib\.h|zconf\.h)' >"$TMP/leaks.txt" || true
+  | grep -E '^/usr/include/(boost|gtest|gmock|nlohmann|gloo|zlib\.h|zconf\.h)' >"$TMP/leaks.txt" || true
 if [ -s "$TMP/leaks.txt" ]; then log "headers missing from .gpu:"; cat "$TMP/leaks.txt" >&2; exit 1; fi
 # Proof 2: CMake finds all four in .gpu alone (system prefixes ignored), links, and the test passes.
 cmake -S "$ROOT/scripts/gpu_smoke" -B "$TMP/smoke" -DCMAKE_BUILD_TYPE=Release \

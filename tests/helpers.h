@@ -106,20 +106,32 @@ inline std::string shell(const std::string& command, int* code = nullptr) {
   return out;
 }
 
-// A TCP port on 127.0.0.1 that nothing listens on now, chosen by the OS (bind to port 0), for tests that
-// start a store or a listener of their own: two suites on one host never share a fixed port.
-inline int free_port() {
+// A TCP port on 127.0.0.1 that nothing listens on now: `port` itself (0: one chosen by the OS), or -1 when it is
+// taken. For tests that start a store or a listener of their own: two suites on one host never share a fixed port.
+inline int bindable_port(int port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
+  a.sin_port = htons(static_cast<uint16_t>(port));
   socklen_t len = sizeof a;
   const bool ok = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
                   ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
   if (fd >= 0) ::close(fd);
-  if (!ok) throw std::runtime_error("free_port: cannot bind a socket on 127.0.0.1");
-  return ntohs(a.sin_port);
+  return ok ? ntohs(a.sin_port) : -1;
+}
+
+inline int free_port() {
+  const int port = bindable_port(0);
+  if (port < 0) throw std::runtime_error("free_port: cannot bind a socket on 127.0.0.1");
+  return port;
+}
+
+// A free port in [lo, hi), tried from a point that depends on the process (two suites start apart).
+inline int free_port_between(int lo, int hi) {
+  for (int i = 0; i < hi - lo; ++i)
+    if (const int p = bindable_port(lo + (::getpid() * 7919 + i) % (hi - lo)); p > 0) return p;
+  throw std::runtime_error("free_port_between: every port is taken");
 }
 
 // A shell fragment for tests that signal a process they started in the background: waits (at most

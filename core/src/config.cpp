@@ -212,8 +212,8 @@ std::vector<Entry> entries(Config& c) {
       entry("memory.gc_threshold", &mem.gc_threshold,
             "CUDA: the caching allocator's garbage_collection_threshold in (0, 1); 0 = off", where<double>([](double v) { return v >= 0 && v < 1; }, "in [0, 1) (0 = off)")),
       entry("memory.cuda_allocator", &mem.cuda_allocator,
-            choices::join(choices::cuda_allocator) + " (CUDA: the caching allocator's backend; chosen before the first CUDA "
-            "allocation of the process)", one_of(choices::cuda_allocator)),
+            choices::join(choices::cuda_allocator) + " (CUDA: the caching allocator's backend, chosen when the process starts: "
+            "export PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync before it; this key checks that it was)", one_of(choices::cuda_allocator)),
       entry("memory.limit_mib", &mem.limit_mib,
             "this process's memory limit in MiB (CPU: enforced by the counting allocator; CUDA: the caching "
             "allocator's fraction of the device); 0 = none", at_least<int64_t>(0, ">= 0 (0 = no limit)")),

@@ -397,7 +397,7 @@ void DataParallel::group_all_reduce_max(torch::Tensor& t) {
 }
 
 void DataParallel::group_all_gather(torch::Tensor& output, torch::Tensor& input) {
-  outside_the_step([&](ProcessGroup& g) { g.all_gather_async(output, input).wait(); });
+  outside_the_step([&](ProcessGroup& g) { g.all_gather_async(output, input).wait_for_host(); });
 }
 
 void DataParallel::group_broadcast(torch::Tensor& t, int root) {
@@ -423,7 +423,15 @@ void DataParallel::after_optimizer_step(const StepBucket& step_bucket) {
     }
     // Stage 3: the part only; the next forward gathers it.
     auto mine = options_.stage == 3 ? b->part : options_.stage > 0 ? part(b->flat, rank, b->shard) : b->flat;
-    if (b->stepped_is_copy) mine.copy_(b->stepped, /*non_blocking=*/b->stepped.is_pinned());  // fp32 -> bf16, rounded once per step
+    if (b->stepped_is_copy) {  // fp32 -> the parameters' dtype, rounded once per step
+      if (b->stepped.device() != mine.device() && b->stepped.scalar_type() != mine.scalar_type()) {
+        // Offload with bf16 parameters: a pinned fp32 -> device bf16 copy_ converts through a pageable host
+        // temporary and synchronizes. Up in fp32 (asynchronous from pinned memory), then cast on the device.
+        mine.copy_(b->stepped.to(mine.device(), /*non_blocking=*/b->stepped.is_pinned()));
+      } else {
+        mine.copy_(b->stepped, /*non_blocking=*/b->stepped.is_pinned());
+      }
+    }
     free_reduced(*b);  // stages 2-3: stepped; the next step's first reduction makes it again
     if (options_.stage == 0 || options_.stage == 3) continue;
     inputs.push_back(mine.clone());  // (shard,): the gather writes over `flat`, which holds it

@@ -52,6 +52,24 @@ void PendingCollective::wait() {
   } catch (const std::exception& e) {
     throw Error(detail::concat("[dist] rank ", rank_, ": ", what_, " failed (a peer died or timed out): ", what_of(e)));
   }
+  report();
+}
+
+void PendingCollective::wait_for_host() {
+  if (!work_) return;
+  if (host_timeout_.count() == 0) return wait();  // Gloo: wait() blocks the host with the collective's timeout
+  auto work = std::move(work_);
+  try {
+    // WorkNCCL::wait with a timeout blocks the host until the kernel has run, or throws after the timeout.
+    work->wait(host_timeout_);
+  } catch (const std::exception& e) {
+    throw Error(detail::concat("[dist] rank ", rank_, ": ", what_, " failed (a peer died or timed out within ",
+                               host_timeout_.count() / 1000, " s, dist.timeout_s): ", what_of(e)));
+  }
+  report();
+}
+
+void PendingCollective::report() {
   if (observer_ && *observer_) {
     const auto now = std::chrono::steady_clock::now();
     const auto ns = completed_ns_->load();
@@ -112,7 +130,9 @@ ProcessGroup::~ProcessGroup() = default;
 
 PendingCollective ProcessGroup::start(c10::intrusive_ptr<c10d::Work> work, const std::string& what, int64_t bytes) {
   bytes_ += bytes;
-  return PendingCollective(std::move(work), what, rank_, bytes, observer_ ? &observer_ : nullptr, backend_name_ == "gloo");
+  PendingCollective p(std::move(work), what, rank_, bytes, observer_ ? &observer_ : nullptr, backend_name_ == "gloo");
+  if (backend_name_ == "nccl") p.host_timeout_ = timeout_;
+  return p;
 }
 
 PendingCollective ProcessGroup::all_reduce_sum_async(at::Tensor& tensor) {
@@ -128,7 +148,7 @@ void ProcessGroup::all_reduce_max(at::Tensor& tensor) {
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp::MAX;
   o.timeout = timeout_;
-  start(backend_->allreduce(ts, o), "all-reduce (max)", tensor.numel() * tensor.element_size()).wait();
+  start(backend_->allreduce(ts, o), "all-reduce (max)", tensor.numel() * tensor.element_size()).wait_for_host();
 }
 
 PendingCollective ProcessGroup::reduce_scatter_sum_async(at::Tensor& output, at::Tensor& input) {
@@ -154,13 +174,20 @@ void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
   c10d::BroadcastOptions o;
   o.rootRank = root;
   o.timeout = timeout_;
-  start(backend_->broadcast(ts, o), "broadcast", tensor.numel() * tensor.element_size()).wait();
+  start(backend_->broadcast(ts, o), "broadcast", tensor.numel() * tensor.element_size()).wait_for_host();
+}
+
+void ProcessGroup::shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  if (size_ > 1) barrier();
+  backend_->shutdown();
 }
 
 void ProcessGroup::barrier() {
   c10d::BarrierOptions o;
   o.timeout = timeout_;
-  start(backend_->barrier(o), "barrier", 0).wait();
+  start(backend_->barrier(o), "barrier", 0).wait_for_host();
 }
 
 

@@ -1,5 +1,6 @@
 #include "memtrain/distributed/world.h"
 
+#include <cctype>
 #include <cstdlib>
 #include <optional>
 
@@ -22,7 +23,32 @@ std::optional<int> read_int(const std::map<std::string, std::string>& env, const
   throw Error(detail::concat("[dist] environment variable ", key, "='", it->second, "' is not an integer"));
 }
 
+// The leading integer of a Slurm count such as SLURM_NTASKS_PER_NODE = "2(x3)" (2 tasks on each of 3 nodes).
+std::optional<int> leading_int(const std::map<std::string, std::string>& env, const std::string& key) {
+  auto it = env.find(key);
+  if (it == env.end() || it->second.empty() || !std::isdigit(static_cast<unsigned char>(it->second[0]))) return std::nullopt;
+  return std::stoi(it->second);
+}
+
 }  // namespace
+
+std::string first_slurm_host(const std::string& nodelist) {
+  // The first item of the top-level list (commas inside brackets belong to its ranges).
+  std::string first;
+  int depth = 0;
+  for (char ch : nodelist) {
+    if (ch == ',' && depth == 0) break;
+    depth += ch == '[' ? 1 : ch == ']' ? -1 : 0;
+    first += ch;
+  }
+  const auto open = first.find('[');
+  if (open == std::string::npos) return first;
+  // prefix[range,...]suffix: the first number of the first range, as written (zero padding kept).
+  const auto range = first.substr(open + 1, first.find_first_of(",]", open) - open - 1);
+  const auto close = first.find(']', open);
+  return first.substr(0, open) + range.substr(0, range.find('-')) +
+         (close == std::string::npos ? std::string() : first.substr(close + 1));
+}
 
 World World::from_env() {
   std::map<std::string, std::string> env;
@@ -51,7 +77,7 @@ World World::from_env(const std::map<std::string, std::string>& env) {
     w.rank = *rank;
     w.world_size = *size;
     w.local_rank = read_int(env, s[3]).value_or(w.rank);
-    w.local_world_size = read_int(env, s[4]).value_or(w.world_size);
+    w.local_world_size = (w.launcher == "slurm" ? leading_int(env, s[4]) : read_int(env, s[4])).value_or(w.world_size);
     break;
   }
   MEMTRAIN_CHECK(w.world_size >= 1, Error, "[dist] world size must be >= 1, got ", w.world_size);
@@ -59,8 +85,20 @@ World World::from_env(const std::map<std::string, std::string>& env) {
                  ")");
   MEMTRAIN_CHECK(w.local_rank >= 0 && w.local_rank < w.local_world_size, Error, "[dist] local rank ", w.local_rank,
                  " is outside [0, ", w.local_world_size, ")");
-  if (auto it = env.find("MASTER_ADDR"); it != env.end() && !it->second.empty()) w.master_addr = it->second;
-  if (auto port = read_int(env, "MASTER_PORT")) w.master_port = *port;
+  if (auto it = env.find("MASTER_ADDR"); it != env.end() && !it->second.empty()) {
+    w.master_addr = it->second;
+  } else if (w.launcher == "slurm") {  // srun sets no MASTER_ADDR: rank 0 runs on the job's first node
+    for (const char* key : {"SLURM_JOB_NODELIST", "SLURM_NODELIST"})
+      if (auto n = env.find(key); n != env.end() && !n->second.empty()) {
+        w.master_addr = first_slurm_host(n->second);
+        break;
+      }
+  }
+  if (auto port = read_int(env, "MASTER_PORT")) {
+    w.master_port = *port;
+  } else if (w.launcher == "slurm") {  // a port of this job's own, so two jobs sharing a node do not collide
+    if (auto job = leading_int(env, "SLURM_JOB_ID")) w.master_port = 20000 + *job % 10000;
+  }
   MEMTRAIN_CHECK(w.master_port >= 1 && w.master_port <= 65535, Error, "[dist] MASTER_PORT=", w.master_port,
                  " is not a TCP port: expected 1 to 65535");
   return w;

@@ -32,12 +32,12 @@ constexpr KnownPeak kKnownPeaks[] = {
 c10::Device resolve_device(const std::string& name, int local_rank) {
   if (name == "cpu") return c10::kCPU;
   const bool cuda = torch::cuda::is_available();
-  if (name == "auto") return cuda ? c10::Device(c10::kCUDA, local_rank) : c10::Device(c10::kCPU);
-  MEMTRAIN_CHECK(name == "cuda", ConfigError, "[config] train.device = '", name, "': expected cpu | cuda | auto");
+  if (name == "auto" && !cuda) return c10::Device(c10::kCPU);
+  MEMTRAIN_CHECK(name == "cuda" || name == "auto", ConfigError, "[config] train.device = '", name, "': expected cpu | cuda | auto");
   MEMTRAIN_CHECK(cuda, ConfigError, "[config] train.device = cuda, but no CUDA device is available here; use cpu or auto");
-  MEMTRAIN_CHECK(local_rank < static_cast<int>(torch::cuda::device_count()), ConfigError, "[dist] local rank ",
-                 local_rank, " has no GPU: only ", torch::cuda::device_count(), " visible");
-  return c10::Device(c10::kCUDA, local_rank);
+  // LOCAL_RANK modulo the visible devices: where each task sees one GPU (Slurm's --gpus-per-task=1,
+  // CUDA_VISIBLE_DEVICES set per rank) every rank takes cuda:0; where a node's ranks share its GPUs, each its own.
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank % static_cast<int>(torch::cuda::device_count())));
 }
 
 void configure_cuda_allocator(const MemoryConfig& m, const c10::Device& device, bool main) {
@@ -45,31 +45,41 @@ void configure_cuda_allocator(const MemoryConfig& m, const c10::Device& device, 
   if (!asked) return;
   MEMTRAIN_CHECK(device.is_cuda(), ConfigError, "[config] memory.snapshot, memory.expandable_segments, memory.gc_threshold "
                  "and memory.cuda_allocator set CUDA's caching allocator; this run is on ", device.str());
-  // PYTORCH_CUDA_ALLOC_CONF's grammar. The backend is read once, when the allocator is first used: it goes
-  // into the environment (an explicit PYTORCH_CUDA_ALLOC_CONF of the user's is kept, and said); the others
-  // can change at any time.
-  std::string settings = "expandable_segments:" + std::string(m.expandable_segments ? "True" : "False");
-  if (m.gc_threshold > 0) settings += ",garbage_collection_threshold:" + std::to_string(m.gc_threshold);
+  // PYTORCH_CUDA_ALLOC_CONF's grammar, with only the keys the user set: sending a default would turn off what
+  // the user exported (an expandable_segments:True of theirs, when memory.snapshot alone was asked).
+  std::string settings;
+  if (m.expandable_segments) settings = "expandable_segments:True";
+  if (m.gc_threshold > 0)
+    settings += std::string(settings.empty() ? "" : ",") + "garbage_collection_threshold:" + std::to_string(m.gc_threshold);
   if (m.cuda_allocator != "native") {
-    const char* user = std::getenv("PYTORCH_CUDA_ALLOC_CONF");
-    if (user && main)
-      std::cerr << "memtrain: warning: [memory] PYTORCH_CUDA_ALLOC_CONF=" << user << " is set; memory.cuda_allocator = "
-                << m.cuda_allocator << " only takes effect where it does not name a backend\n";
-    const std::string env = std::string(user ? std::string(user) + "," : "") + "backend:" + m.cuda_allocator;
-    ::setenv("PYTORCH_CUDA_ALLOC_CONF", env.c_str(), /*overwrite=*/1);
-  } else {
-    c10::CachingAllocator::setAllocatorSettings(settings);
+    // The backend is chosen once, when libc10_cuda initializes (before main() on the 2.11 wheel): setting
+    // PYTORCH_CUDA_ALLOC_CONF now is too late and would be silently ignored. What was chosen is checked instead.
+    const std::string chosen = c10::cuda::CUDACachingAllocator::name();
+    MEMTRAIN_CHECK(chosen == m.cuda_allocator, ConfigError, "[config] memory.cuda_allocator = ", m.cuda_allocator,
+                   ": this process's CUDA allocator is ", chosen, ", chosen when it started; start memtrain with "
+                   "PYTORCH_CUDA_ALLOC_CONF=backend:", m.cuda_allocator, " exported");
+    MEMTRAIN_CHECK(!m.snapshot, ConfigError, "[config] memory.snapshot needs the native allocator's history; "
+                   "memory.cuda_allocator = ", m.cuda_allocator, " keeps none");
   }
-  // The history memory_viz draws: every allocation and free with its stack, up to 100,000 entries.
-  if (m.snapshot) torch::cuda::_record_memory_history(std::string("all"), std::string("all"), "all", 100000);
+  if (!settings.empty()) c10::CachingAllocator::setAllocatorSettings(settings);
+  // The history memory_viz draws: every allocation and free with its stack, up to 100,000 entries. Each
+  // stack's frames are symbolized when the snapshot is written; addr2line-style symbolization of every frame
+  // takes minutes, dladdr (exported symbols) seconds: the user's own TORCH_SYMBOLIZE_MODE is kept.
+  if (m.snapshot) {
+    ::setenv("TORCH_SYMBOLIZE_MODE", "dladdr", /*overwrite=*/0);
+    torch::cuda::_record_memory_history(std::string("all"), std::string("all"), "all", 100000);
+  }
 }
 
-void apply_memory_limit(int64_t limit_mib, const c10::Device& device) {
+void apply_memory_limit(int64_t limit_mib, double gc_threshold, const c10::Device& device) {
   const int64_t limit = limit_mib * 1024 * 1024;
   if (device.is_cuda()) {
     if (limit > 0) {
       const double total = static_cast<double>(at::cuda::getDeviceProperties(device.index())->totalGlobalMem);
       c10::cuda::CUDACachingAllocator::setMemoryFraction(std::min(1.0, static_cast<double>(limit) / total), device.index());
+    } else if (gc_threshold > 0) {
+      // The caching allocator collects garbage only against a memory fraction: with none set, the whole device.
+      c10::cuda::CUDACachingAllocator::setMemoryFraction(1.0, device.index());
     }
     return;
   }

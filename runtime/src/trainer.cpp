@@ -377,10 +377,12 @@ int64_t Trainer::last_peak() const {
 void Trainer::write_memory_snapshot() {
   if (!config_.memory.snapshot || !device_.is_cuda()) return;
   const auto path = RunReport::snapshot_file(run_dir_, world_.rank);
+  const auto begin = std::chrono::steady_clock::now();
   write_file_atomically(path, torch::cuda::_memory_snapshot_pickled());
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
   if (world_.is_main())
-    std::cout << "memory snapshot: " << path << " (python -m torch.cuda._memory_viz trace_plot " << path
-              << " -o memory_viz.html)\n";
+    std::cout << "memory snapshot: " << path << ", written in " << seconds << " s (python -m torch.cuda._memory_viz "
+              << "trace_plot " << path << " -o memory_viz.html)\n";
 }
 
 void Trainer::fit() {
@@ -413,6 +415,7 @@ void Trainer::fit() {
       }
       stopped_by_signal_ = true;
       report.stopped(where);
+      if (group_) group_->shutdown();  // every rank: the run's last collective
       return;
     }
   }
@@ -441,6 +444,7 @@ void Trainer::finish(RunReport& report) {
   report.finish(val, test);
   if (ck.save_final && !stage3 && world_.is_main()) save_weights(weights);
   report.close(ck.save_final ? weights : "");
+  if (group_) group_->shutdown();  // every rank: the run's last collective, then the backend's orderly end
 }
 
 EvalResult Trainer::validate() {

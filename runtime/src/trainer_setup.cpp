@@ -2,6 +2,7 @@
 // sharding is decided: step 5 (sharded(), after memory.budget_mib's plan, which rank 0 decides for every
 // rank) and step 8 (DataParallel).
 #include <c10/cuda/CUDAFunctions.h>
+#include <torch/cuda.h>
 
 #include <filesystem>
 #include <iostream>
@@ -91,7 +92,12 @@ void Trainer::setup_device() {
   if (t.threads > 0) at::set_num_threads(static_cast<int>(t.threads));
   device_ = resolve_device(t.device, world_.local_rank);
   configure_cuda_allocator(config_.memory, device_, world_.is_main());
-  if (device_.is_cuda()) c10::cuda::set_device(device_.index());  // this rank's GPU: LOCAL_RANK
+  if (device_.is_cuda()) {
+    c10::cuda::set_device(device_.index());  // this rank's GPU: LOCAL_RANK modulo the visible ones
+    if (world_.world_size > 1)
+      std::cout << "[dist] rank " << world_.rank << " (local rank " << world_.local_rank << ") trains on " << device_.str()
+                << " of " << torch::cuda::device_count() << " visible\n" << std::flush;
+  }
   precision_ = parse_precision(t.precision);
   check_precision_supported(precision_, device_);
   if (precision_ == Precision::kBf16 && device_.is_cpu() && world_.is_main() && !cpu_has_native_bf16())
@@ -229,7 +235,7 @@ void Trainer::setup_outputs() {
   if (name.empty()) name = config_.source.empty() ? "run" : fs::path(config_.source).stem().string();
   run_dir_ = (fs::path(config_.log.dir) / name).string();
   ckpt_dir_ = config_.checkpoint.dir.empty() ? (fs::path(run_dir_) / "checkpoints").string() : config_.checkpoint.dir;
-  apply_memory_limit(config_.memory.limit_mib, device_);
+  apply_memory_limit(config_.memory.limit_mib, config_.memory.gc_threshold, device_);
 }
 
 }  // namespace memtrain

@@ -57,6 +57,20 @@ TEST(Launcher, TwoNodesOnLoopbackFormOneJob) {
     EXPECT_NE(r.output.find("collectives ok: rank " + std::to_string(rank) + " of 4"), std::string::npos) << r.output;
 }
 
+TEST(Launcher, TwoRanksStartedAsSlurmStartsThemRendezvousOnTheFirstNode) {
+  // As srun starts tasks: only Slurm's variables, no MASTER_ADDR; the node list's first host, 127.0.0.[1-2] ->
+  // 127.0.0.1, is where rank 0 serves the store. The port, 20000 + SLURM_JOB_ID % 10000, from a job id chosen
+  // to land on a free port.
+  const int port = test::free_port_between(20000, 30000);
+  const std::string slurm = "SLURM_NTASKS=2 SLURM_NTASKS_PER_NODE='2(x1)' SLURM_JOB_NODELIST='127.0.0.[1-2]' SLURM_JOB_ID=" +
+                            std::to_string(port - 20000) + " PROBE_TIMEOUT_S=30 ";
+  auto r = run("(" + slurm + "SLURM_PROCID=1 SLURM_LOCALID=1 " + probe() + " & " + slurm + "SLURM_PROCID=0 SLURM_LOCALID=0 " +
+               probe() + "; c=$?; wait; exit $c)");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("collectives ok: rank 0 of 2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("collectives ok: rank 1 of 2"), std::string::npos) << r.output;
+}
+
 TEST(Launcher, TorchrunStartsTheSameRanks) {
   const auto torchrun = std::filesystem::path(MEMTRAIN_PYTHON).parent_path() / "torchrun";
   ASSERT_TRUE(std::filesystem::exists(torchrun)) << torchrun;

@@ -38,6 +38,31 @@ TEST(World, SlurmAndMpiVariables) {
   EXPECT_EQ(m.local_rank, 1);
 }
 
+TEST(World, SlurmNodeListsGiveTheFirstHost) {
+  EXPECT_EQ(first_slurm_host("node[01-04,07]"), "node01");
+  EXPECT_EQ(first_slurm_host("node[07,01-04]"), "node07");
+  EXPECT_EQ(first_slurm_host("gpu-a[7,9],gpu-b3"), "gpu-a7");
+  EXPECT_EQ(first_slurm_host("login1,login2"), "login1");
+  EXPECT_EQ(first_slurm_host("rack[1-2]-n[3]"), "rack1-n[3]");  // only the first bracket is a range of hosts here
+  EXPECT_EQ(first_slurm_host("127.0.0.[1-2]"), "127.0.0.1");
+}
+
+TEST(World, SlurmWithoutMasterAddrRendezvousesOnTheFirstNode) {
+  // srun sets no MASTER_ADDR or MASTER_PORT; SLURM_NTASKS_PER_NODE may read "2(x3)" (2 tasks on each of 3 nodes).
+  auto w = World::from_env({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "6"}, {"SLURM_LOCALID", "1"},
+                            {"SLURM_NTASKS_PER_NODE", "2(x3)"}, {"SLURM_JOB_NODELIST", "node[01-03]"}, {"SLURM_JOB_ID", "123456"}});
+  EXPECT_EQ(w.rank, 3);
+  EXPECT_EQ(w.local_rank, 1);
+  EXPECT_EQ(w.local_world_size, 2);
+  EXPECT_EQ(w.master_addr, "node01");
+  EXPECT_EQ(w.master_port, 20000 + 123456 % 10000);
+  // MASTER_ADDR and MASTER_PORT, when a batch script exports them, win.
+  w = World::from_env({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_JOB_NODELIST", "node[01-03]"},
+                       {"MASTER_ADDR", "10.0.0.5"}, {"MASTER_PORT", "29400"}});
+  EXPECT_EQ(w.master_addr, "10.0.0.5");
+  EXPECT_EQ(w.master_port, 29400);
+}
+
 TEST(World, InconsistentValuesAreErrors) {
   auto msg = test::error_of([] { World::from_env({{"RANK", "4"}, {"WORLD_SIZE", "4"}}); });
   EXPECT_NE(msg.find("rank 4 is outside [0, 4)"), std::string::npos) << msg;

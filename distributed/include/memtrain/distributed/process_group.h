@@ -51,13 +51,20 @@ class PendingCollective {
   ~PendingCollective();
   PendingCollective(PendingCollective&&) noexcept;
   PendingCollective& operator=(PendingCollective&&) noexcept;
-  // Blocks until done; a failed or timed-out collective throws memtrain::Error naming it.
+  // Blocks until done; a failed or timed-out collective throws memtrain::Error naming it. On NCCL, wait()
+  // only orders the current CUDA stream after the collective (the host goes on, and a dead peer shows as a hang
+  // or the watchdog's abort); wait_for_host() also blocks the host, with the group's timeout, for results the
+  // host reads (agreement, stop requests, sums of evaluation, the clip norm), so that a failure is the same
+  // clear error as on Gloo. On Gloo both block the host.
   void wait();
+  void wait_for_host();
   bool pending() const;
   bool completed() const;  // pending and already done (wait() will not block); never blocks
 
  private:
+  friend class ProcessGroup;
   c10::intrusive_ptr<c10d::Work> work_;
+  std::chrono::milliseconds host_timeout_{0};  // NCCL: wait_for_host()'s limit (Gloo's waits carry their own)
   std::string what_;
   int rank_ = 0;
   int64_t bytes_ = 0;
@@ -65,6 +72,7 @@ class PendingCollective {
   std::chrono::steady_clock::time_point issued_;
   // Set by the backend's thread when the work completes (nanoseconds since the clock's epoch; 0: not yet).
   std::shared_ptr<std::atomic<int64_t>> completed_ns_;
+  void report();  // to the observer, after a wait
 };
 
 class ProcessGroup {
@@ -80,7 +88,7 @@ class ProcessGroup {
 
   // Element-wise sum over ranks, in place.
   PendingCollective all_reduce_sum_async(at::Tensor& tensor);
-  void all_reduce_sum(at::Tensor& tensor) { all_reduce_sum_async(tensor).wait(); }
+  void all_reduce_sum(at::Tensor& tensor) { all_reduce_sum_async(tensor).wait_for_host(); }
   // Element-wise max over ranks, in place (the fp16 scaler's found-inf flag).
   void all_reduce_max(at::Tensor& tensor);
   // input (size * n elements) summed over ranks; this rank keeps elements [rank * n, (rank + 1) * n) in output (n).
@@ -89,6 +97,10 @@ class ProcessGroup {
   PendingCollective all_gather_async(at::Tensor& output, at::Tensor& input);
   void broadcast(at::Tensor& tensor, int root);
   void barrier();
+  // The end of a run: a host-synced barrier (every rank's last collective has run, so no send a slower peer
+  // still needs is dropped), then the backend's shutdown (NCCL: its communicators destroyed in order, not
+  // aborted by the destructor, which prints "has NOT been destroyed"). No collective may follow. Idempotent.
+  void shutdown();
 
   // Bytes this rank has put into collectives so far: each collective counts its buffer's size (a ring
   // all-reduce moves about 2 (N-1)/N of it per rank, a reduce-scatter or all-gather (N-1)/N).
@@ -97,6 +109,7 @@ class ProcessGroup {
   void set_observer(CollectiveObserver observer) { observer_ = std::move(observer); }
 
  private:
+  bool shut_down_ = false;
   ProcessGroup() = default;
   PendingCollective start(c10::intrusive_ptr<c10d::Work> work, const std::string& what, int64_t bytes);
 

@@ -1,7 +1,8 @@
 // Where this process stands: rank, world size and local rank, from the launcher's environment
 // (torchrun / memtrain-run: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
-// Slurm: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; Open MPI: OMPI_COMM_WORLD_*). No variables: a
-// single process.
+// Slurm: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE, and without MASTER_ADDR the first
+// host of SLURM_JOB_NODELIST, without MASTER_PORT 20000 + SLURM_JOB_ID % 10000; Open MPI: OMPI_COMM_WORLD_*).
+// No variables: a single process.
 //
 //   auto world = memtrain::World::from_env();
 //   if (world.is_main()) std::cout << config.to_ini();
@@ -27,5 +28,9 @@ struct World {
   static World from_env();
   static World from_env(const std::map<std::string, std::string>& env);
 };
+
+// The first host of a Slurm node list, compressed as Slurm writes it: "node[01-04,07],gpu3" -> "node01"
+// (zero padding kept), "127.0.0.[1-2]" -> "127.0.0.1", "login1" -> "login1".
+std::string first_slurm_host(const std::string& nodelist);
 
 }  // namespace memtrain

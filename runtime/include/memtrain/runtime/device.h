@@ -16,7 +16,8 @@
 
 namespace memtrain {
 
-// The device a config asks for: cpu, cuda (this rank's local GPU), or auto (cuda when available).
+// The device a config asks for: cpu, cuda (this rank's GPU: LOCAL_RANK modulo the visible devices, so a task
+// that sees one GPU takes it), or auto (cuda when available).
 c10::Device resolve_device(const std::string& name, int local_rank);
 
 // memory.snapshot / expandable_segments / gc_threshold / cuda_allocator: CUDA's caching allocator set up
@@ -24,8 +25,9 @@ c10::Device resolve_device(const std::string& name, int local_rank);
 void configure_cuda_allocator(const MemoryConfig& memory, const c10::Device& device, bool main);
 
 // memory.limit_mib (0 = none): on CPU the counting allocator refuses allocations past it (process-wide);
-// on CUDA the caching allocator gets the matching fraction of the device.
-void apply_memory_limit(int64_t limit_mib, const c10::Device& device);
+// on CUDA the caching allocator gets the matching fraction of the device (the whole device when only
+// memory.gc_threshold is set: its garbage collection works against a fraction).
+void apply_memory_limit(int64_t limit_mib, double gc_threshold, const c10::Device& device);
 
 // FLOP/s that MFU is a fraction of, and where the figure came from: log.peak_tflops, else NVIDIA's data
 // sheet for a known GPU at this precision; {0, ""} when unknown (a CPU).

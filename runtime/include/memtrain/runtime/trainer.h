@@ -92,6 +92,7 @@ class Trainer {
   // config.train.steps steps with logging, evaluation and saving (a RunReport writes every output);
   // resumes first when checkpoint.resume says so. SIGTERM / SIGINT while it runs: the current step ends, a
   // checkpoint is saved, fit() returns (stopped_by_signal()); a second signal exits the process at once.
+  // With ranks, fit() ends with a barrier and the process group's shutdown: no collective after it.
   void fit();
   // Parameters and buffers by name, as safetensors. ZeRO stage 3 holds no full parameters: there every
   // rank must call it (the parameters are gathered unit by unit; rank 0 writes).
