@@ -10,6 +10,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <iostream>
+#include <thread>
+
 #include "memtrain/core/error.h"
 
 namespace memtrain {
@@ -91,23 +94,52 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& world, const Pro
                  "[config] dist.backend = nccl needs train.device = cuda (NCCL moves CUDA tensors); use gloo on CPU");
   g->backend_name_ = backend;
 
-  // 1. Rendezvous: rank 0 serves the store and waits for every rank; the others connect.
+  // 1. Rendezvous: rank 0 serves the store, the others connect; every rank counts itself in and waits until all
+  //    have, saying so now and then (a lone rank of a job whose others never started must not look hung).
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(world.master_port);
   so.isServer = world.rank == 0;
   so.numWorkers = static_cast<size_t>(world.world_size);
-  so.waitWorkers = true;
+  so.waitWorkers = false;  // counted below instead, with progress lines
   so.timeout = g->timeout_;
+  auto failed = [&](const std::string& why) {
+    return Error(detail::concat("[dist] rank ", world.rank, ": rendezvous at ", world.master_addr, ":", world.master_port,
+                                " failed: ", world.rank == 0 ? "serving the store for " : "joining the store of ",
+                                world.world_size, " ranks within ", options.timeout.count(), " s (dist.timeout_s): ", why,
+                                ". Check MASTER_ADDR / MASTER_PORT, that every rank was started, and that the port is free"));
+  };
   try {
     // A group of one (the sharded optimizer's offload in a single process) needs no rendezvous.
     if (world.world_size == 1) g->store_ = c10::make_intrusive<c10d::HashStore>();
     else g->store_ = c10::make_intrusive<c10d::TCPStore>(world.master_addr, so);
   } catch (const std::exception& e) {
-    throw Error(detail::concat("[dist] rank ", world.rank, ": rendezvous at ", world.master_addr, ":", world.master_port,
-                               " failed: ", world.rank == 0 ? "serving the store for " : "joining the store of ",
-                               world.world_size, " ranks within ", options.timeout.count(),
-                               " s (dist.timeout_s): ", what_of(e),
-                               ". Check MASTER_ADDR / MASTER_PORT, that every rank was started, and that the port is free"));
+    throw failed(what_of(e));
+  }
+  if (world.world_size > 1) {
+    using Clock = std::chrono::steady_clock;
+    const auto start = Clock::now();
+    auto say_at = start + std::chrono::seconds(5);
+    int64_t joined = 0;
+    try {
+      joined = g->store_->add("memtrain/joined", 1);
+      while (joined < world.world_size) {
+        if (Clock::now() - start > options.timeout)
+          throw failed(detail::concat(joined, " of ", world.world_size, " ranks joined"));
+        if (Clock::now() >= say_at) {
+          std::cerr << "[dist] rank " << world.rank << ": waiting at " << world.master_addr << ":" << world.master_port
+                    << " for the ranks to join: " << joined << " of " << world.world_size << " so far ("
+                    << std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - start).count() << " s of "
+                    << options.timeout.count() << " s, dist.timeout_s)\n" << std::flush;
+          say_at += std::chrono::seconds(30);
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        joined = g->store_->add("memtrain/joined", 0);
+      }
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw failed(what_of(e));
+    }
   }
   auto store = c10::make_intrusive<c10d::PrefixStore>("memtrain/" + backend, g->store_);
 

@@ -132,6 +132,21 @@ TEST(Rendezvous, AMissingRankFailsWithinTheTimeoutNamingTheStore) {
   EXPECT_LT(r.seconds, 30);
 }
 
+TEST(Rendezvous, ALoneRankSaysWhatItWaitsFor) {
+  // World of 2, only rank 0, a timeout of 8 s: after 5 s it says where it waits and how many ranks joined, then
+  // fails within the timeout naming the count.
+  const auto port = std::to_string(test::free_port());
+  auto r = run("RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + " PROBE_TIMEOUT_S=8 " + probe());
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("[dist] rank 0: waiting at 127.0.0.1:" + port + " for the ranks to join: 1 of 2 so far ("),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("s of 8 s, dist.timeout_s)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("serving the store for 2 ranks within 8 s (dist.timeout_s): 1 of 2 ranks joined"), std::string::npos)
+      << r.output;
+  EXPECT_LT(r.seconds, 30);
+}
+
 TEST(Rendezvous, ABusyPortIsNamed) {
   // Another process listens on the port rank 0 must serve the store on; the probe starts once it listens.
   test::TempDir dir;
