@@ -44,6 +44,16 @@ main() {
       torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)'
     '$NVCC' --version | tail -2; g++ --version | head -1; cmake --version | head -1; echo generator: $GEN"
 
+  # Preflight: the machine is what the check is for (the wheel's torch 2.11.0 for CUDA 13.0, a visible GPU),
+  # else stop in seconds rather than spend the window building for nothing.
+  if ! stage preflight 60 "$PY" -c 'import sys, torch
+v = torch.__version__
+ok = v.startswith("2.11.0") and "cu130" in v and torch.cuda.is_available()
+print("preflight:", v, "cuda available:", torch.cuda.is_available(), "->", "ok" if ok else "NOT the machine this check is for")
+sys.exit(0 if ok else 1)'; then
+    echo; echo "=== summary"; cat "$OUT/status.txt"; return 1
+  fi
+
   # Dependencies alone first: shows in seconds whether .gpu works with this machine's compiler.
   stage smoke 90 bash -c "cmake -S scripts/gpu_smoke -B build-gpu-smoke -G '$GEN' -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_PREFIX_PATH='$P/usr' -DEXPECT_PREFIX='$P' -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
@@ -65,6 +75,8 @@ main() {
   # suite with whatever time is left (CI runs all of it on CPU anyway).
   OMP_NUM_THREADS=4 stage ctest-cuda "$(left 200)" ctest --test-dir "$B" --output-on-failure -j4 -R Cuda \
     --output-log "$OUT/ctest_cuda.log"
+  # On this machine a CUDA test that skips ("no CUDA device") tested nothing: that is a failure here.
+  stage cuda-none-skipped 10 bash -c "! grep -E 'Cuda.*(Skipped|Not Run)' '$OUT/ctest_cuda.log'"
   if [ -f scripts/bench_gpu.sh ]; then
     MEMTRAIN_BUILD="$B" stage bench "$(left 60)" bash scripts/bench_gpu.sh
   fi
