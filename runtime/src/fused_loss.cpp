@@ -100,7 +100,13 @@ torch::Tensor fused_linear_cross_entropy(const torch::Tensor& x, const torch::Te
                  weight.sizes());
   MEMTRAIN_CHECK(target.dim() == 1 && target.size(0) == x.size(0), Error,
                  "[loss] fused_linear_cross_entropy: target must be (N,) = (", x.size(0), "), got ", target.sizes());
-  if (chunk_rows <= 0) chunk_rows = std::max<int64_t>(1, (int64_t{1} << 24) / weight.size(0));
+  if (chunk_rows <= 0) {
+    // Automatic: about 2^24 logits per chunk (64 MiB in fp32) on a CPU. A GPU's matmuls want long tiles: 2^27
+    // (512 MiB in fp32, a small share of a data-centre GPU), in multiples of 64 rows (tensor-core tiles).
+    const bool gpu = x.is_cuda();
+    chunk_rows = ((gpu ? int64_t{1} << 27 : int64_t{1} << 24)) / weight.size(0);
+    chunk_rows = gpu ? std::max<int64_t>(64, chunk_rows / 64 * 64) : std::max<int64_t>(1, chunk_rows);
+  }
   // No grad mode: nothing would use the gradients that the autograd path forms in forward.
   if (!torch::GradMode::is_enabled()) return chunked_loss(x, weight, target, chunk_rows);
   return FusedLinearCrossEntropy::apply(x, weight, target, chunk_rows)[0];
