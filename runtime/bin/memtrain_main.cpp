@@ -113,22 +113,6 @@ int estimate(const memtrain::Config& config, int ranks) {
 // The subcommands; training itself takes none.
 constexpr const char* kSubcommands[] = {"estimate"};
 
-// Edits (insertions, deletions, substitutions) between two words: Levenshtein's distance.
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diagonal = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diagonal = up;
-    }
-  }
-  return row[b.size()];
-}
-
 // A first word that is neither an option nor a subcommand ("memtrain estimat --config X"): an error naming the
 // subcommands and the closest one, rather than a training run that silently ignores it.
 std::string unknown_subcommand(const std::string& word) {
@@ -136,7 +120,7 @@ std::string unknown_subcommand(const std::string& word) {
   size_t best = std::string::npos;
   for (const char* s : kSubcommands) {
     names += std::string(names.empty() ? "" : ", ") + s;
-    if (const auto d = edit_distance(word, s); d < best) best = d, closest = s;
+    if (const auto d = memtrain::edit_distance(word, s); d < best) best = d, closest = s;
   }
   std::string hint = best <= std::max<size_t>(2, word.size() / 3) ? " (did you mean '" + closest + "'?)" : "";
   return "memtrain: '" + word + "' is not a subcommand" + hint + "; the subcommands are: " + names +

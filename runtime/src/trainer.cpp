@@ -320,8 +320,10 @@ EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
   sync_buffers();
   // Every rank issues the same collectives whatever its share of the data: ZeRO-3 gathers each block in
   // every forward, so a rank with fewer batches (uneven shares, or none) runs the gathers of the missing
-  // forwards without computing them, after its own.
-  const auto forwards = static_cast<int64_t>(agreement().max(static_cast<double>(batches.size())));
+  // forwards without computing them, after its own. Stages 0-2 issue none in a forward: no count to agree on.
+  const bool gathering = dp_ && dp_->stage() == 3;
+  const auto own = static_cast<int64_t>(batches.size());
+  const auto forwards = gathering ? static_cast<int64_t>(agreement().max(static_cast<double>(own))) : own;
   torch::NoGradGuard no_grad;
   model_->eval();
   // Evaluation's own peak on the training device (between steps: the step's peaks are reset at its start).
@@ -344,7 +346,7 @@ EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
     }
     e.samples += n;
   }
-  for (auto i = static_cast<int64_t>(batches.size()); i < forwards; ++i) gathers_of_a_forward();
+  for (auto i = own; i < forwards; ++i) gathers_of_a_forward();
   model_->train();
   if (track) e.peak_bytes = read_counters(measured).peak_allocated, e.activation_peak = e.peak_bytes - eval_start;
   if (dp_) dp_->release_all(), dp_->not_step_traffic(traffic);
@@ -402,17 +404,9 @@ void Trainer::fit() {
     const bool last = step_ == t.steps;
     if (t.eval_every > 0 && step_ % t.eval_every == 0 && !last) report.evaluation(validate());
     // The last step's save is the final one (finish) unless save_final is off.
-    if (ck.every > 0 && step_ % ck.every == 0 && (!last || !ck.save_final)) {
-      const auto [folder, seconds] = timed_save();
-      report.checkpoint_saved(folder, seconds);
-    }
+    if (ck.every > 0 && step_ % ck.every == 0 && (!last || !ck.save_final)) save_reported(report);
     if (stop_requested()) {  // every rank: a collective
-      std::string where = checkpoint_folder(ckpt_dir_, step_);
-      if (last_saved_step_ != step_) {
-        const auto [folder, seconds] = timed_save();
-        report.checkpoint_saved(folder, seconds);
-        where = folder;
-      }
+      const auto where = last_saved_step_ == step_ ? checkpoint_folder(ckpt_dir_, step_) : save_reported(report);
       stopped_by_signal_ = true;
       report.stopped(where);
       if (group_) group_->shutdown();  // every rank: the run's last collective
@@ -426,10 +420,7 @@ void Trainer::finish(RunReport& report) {
   const auto& ck = config_.checkpoint;
   report.end_of_steps();
   // The final training state first: a failure in the evaluations below loses nothing.
-  if (ck.save_final && last_saved_step_ != step_) {
-    const auto [folder, seconds] = timed_save();
-    report.checkpoint_saved(folder, seconds);
-  }
+  if (ck.save_final && last_saved_step_ != step_) save_reported(report);
   write_memory_snapshot();  // the training steps' history, before evaluation adds to it
   const auto val = validate();
   // Whether there is a test split is the dataset's, not this rank's share of it: with more ranks than test
@@ -454,12 +445,13 @@ EvalResult Trainer::validate() {
   return e;
 }
 
-std::pair<std::string, double> Trainer::timed_save() {
+std::string Trainer::save_reported(RunReport& report) {
   const auto begin = std::chrono::steady_clock::now();
   const auto folder = save_checkpoint();
   const auto end = std::chrono::steady_clock::now();
   tracker_->trace_span("checkpoint save", begin, end);
-  return {folder, std::chrono::duration<double>(end - begin).count()};
+  report.checkpoint_saved(folder, std::chrono::duration<double>(end - begin).count());
+  return folder;
 }
 
 void Trainer::make_output_folders() const {

@@ -194,6 +194,9 @@ double parse_budget_mib(const std::string& value);
 // A number as the config prints it: the shortest text that reads back to the same double (0.1, not
 // 0.10000000000000001).
 std::string format_shortest(double v);
+// Levenshtein's distance between two words (insertions, deletions, substitutions): the "did you mean"
+// suggestions of a misspelt key and of a misspelt subcommand.
+size_t edit_distance(const std::string& a, const std::string& b);
 
 namespace detail {
 // "K" of the grammars every:K and fused:ROWS: a whole number >= 1 of at most 9 digits; nullopt otherwise.

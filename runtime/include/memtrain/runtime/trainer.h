@@ -170,9 +170,9 @@ class Trainer {
   void make_output_folders() const;                 // fit(): every folder it writes, probed before step 1
   bool agree(bool ok) { return agreement().all(ok); }
   bool stop_requested();                            // a stop signal on any rank (collective)
-  // fit()'s pieces: a validation pass and a save, each traced; the end of the run.
+  // fit()'s pieces: a validation pass and a save (its line in the report), each traced; the end of the run.
   EvalResult validate();
-  std::pair<std::string, double> timed_save();     // the folder and the seconds it took
+  std::string save_reported(RunReport& report);    // the checkpoint's folder
   void finish(RunReport& report);
   std::vector<ShardPiece> state_pieces() const;
   // load_checkpoint's checks, before anything is copied (DataError naming the tensor): the parameters that have
