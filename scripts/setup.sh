@@ -22,6 +22,7 @@ CACHE="${MEMTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/memtrain}"
 TORCH_PIN="${MEMTRAIN_TORCH:-torch==2.11.0}"
 TOKENIZERS_PIN="tokenizers==0.22.1"  # Hugging Face's, for the BPE vocabularies of the GPT examples
 MATPLOTLIB_PIN="matplotlib==3.10.7"  # scripts/plot_memory.py: each run's memory.png
+TRANSFORMERS_PIN="transformers==4.57.6"  # the oracle of the Hugging Face tests and the export's reader
 PYTHON="${MEMTRAIN_PYTHON_BASE:-python3}"
 DATA="$CACHE/data"
 BUILD="${MEMTRAIN_BUILD:-$ROOT/build}"
@@ -141,6 +142,10 @@ esac
 if [ "$("$VENV/bin/python" -c 'import tokenizers;print(tokenizers.__version__)' 2>/dev/null)" != "${TOKENIZERS_PIN#*==}" ]; then
   log "installing $TOKENIZERS_PIN into $VENV"
   "$VENV/bin/pip" install -q --disable-pip-version-check "$TOKENIZERS_PIN"
+fi
+if [ "$("$VENV/bin/python" -c 'import transformers;print(transformers.__version__)' 2>/dev/null)" != "${TRANSFORMERS_PIN#*==}" ]; then
+  log "installing $TRANSFORMERS_PIN into $VENV"
+  "$VENV/bin/pip" install -q --disable-pip-version-check "$TRANSFORMERS_PIN" "$TOKENIZERS_PIN"
 fi
 if [ "$("$VENV/bin/python" -c 'import matplotlib;print(matplotlib.__version__)' 2>/dev/null)" != "${MATPLOTLIB_PIN#*==}" ]; then
   log "installing $MATPLOTLIB_PIN into $VENV"

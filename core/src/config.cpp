@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <boost/program_options.hpp>
 #include <filesystem>
 #include <fstream>
@@ -17,6 +18,7 @@
 
 #include "memtrain/core/recompute_policy.h"
 #include "memtrain/core/error.h"
+#include "memtrain/core/hugging_face_config.h"
 
 namespace po = boost::program_options;
 
@@ -28,11 +30,38 @@ namespace {
 struct Entry {
   std::string key;    // "section.key"
   std::string help;
-  std::string group;  // model keys: the model they belong to (gpt | resnet | mlp); "" for all
+  std::string group;  // model keys: the models they belong to, space-separated ("gpt llama"); "" for all
   std::function<void(po::options_description&)> declare;
   std::function<std::string()> show;
   std::function<void()> check;  // throws ConfigError naming the key, the value and what is allowed
 };
+
+// The keys a model's preset fixes (none for preset = custom): an error beside it, and not printed by to_ini().
+std::vector<std::string> preset_fixed_keys(const ModelConfig& m) {
+  if (m.preset == "custom") return {};
+  if (m.name == "llama")
+    return {"model.n_layer",   "model.n_head",     "model.n_embd",       "model.vocab_size",
+            "model.n_kv_head", "model.ffn_hidden", "model.rope_theta",   "model.rope_scaling",
+            "model.norm_eps",  "model.tie_embeddings", "model.attn_bias", "model.max_positions"};
+  if (m.name == "gpt") return {"model.n_layer", "model.n_head", "model.n_embd", "model.block_size"};
+  return {};
+}
+
+bool applies_to(const Entry& e, const std::string& model) {
+  if (e.group.empty()) return true;
+  std::istringstream words(e.group);
+  for (std::string w; words >> w;)
+    if (w == model) return true;
+  return false;
+}
+
+// "gpt llama" -> "gpt | llama", for --help and the reference page.
+std::string group_names(const std::string& group) {
+  std::istringstream words(group);
+  std::string out;
+  for (std::string w; words >> w;) out.append(out.empty() ? "" : " | ").append(w);
+  return out;
+}
 
 template <size_t N>
 void check_one_of(const std::string& key, const std::string& value, const std::array<std::string_view, N>& allowed) {
@@ -137,14 +166,23 @@ std::vector<Entry> entries(Config& c) {
   auto& ck = c.checkpoint;
   return {
       entry("model.name", &m.name, choices::join(choices::model_name), one_of(choices::model_name)),
-      entry("model.preset", &m.preset, choices::join(choices::gpt_preset) + " (a preset fixes n_layer, n_head, n_embd, block_size)", "gpt", one_of(choices::gpt_preset)),
-      entry("model.n_layer", &m.n_layer, "transformer blocks (preset = custom only)", "gpt", at_least<int64_t>(1)),
-      entry("model.n_head", &m.n_head, "attention heads (preset = custom only)", "gpt", at_least<int64_t>(1)),
-      entry("model.n_embd", &m.n_embd, "embedding width (preset = custom only)", "gpt"),
-      entry("model.block_size", &m.block_size, "context length in tokens (preset = custom only)", "gpt", at_least<int64_t>(1)),
-      entry("model.vocab_size", &m.vocab_size, "vocabulary; 0 = from the data", "gpt", at_least<int64_t>(0, ">= 0 (0 = from the data)")),
+      entry("model.init_from", &m.init_from, "a Hugging Face model folder (config.json, model*.safetensors): its config.json sets model.name and the shape, its weights the starting point; empty = random weights", "gpt llama"),
+      entry("model.preset", &m.preset, "gpt: " + choices::join(choices::gpt_preset) + "; llama: " + choices::join(choices::llama_preset) + " (a preset fixes the shape; a Llama preset leaves block_size, the training context, free)", "gpt llama", one_of(choices::model_preset)),
+      entry("model.n_layer", &m.n_layer, "transformer blocks (preset = custom only)", "gpt llama", at_least<int64_t>(1)),
+      entry("model.n_head", &m.n_head, "attention heads (preset = custom only)", "gpt llama", at_least<int64_t>(1)),
+      entry("model.n_embd", &m.n_embd, "embedding width (preset = custom only)", "gpt llama"),
+      entry("model.block_size", &m.block_size, "context length in tokens (gpt: preset = custom only)", "gpt llama", at_least<int64_t>(1)),
+      entry("model.vocab_size", &m.vocab_size, "vocabulary; 0 = from the data", "gpt llama", at_least<int64_t>(0, ">= 0 (0 = from the data)")),
       entry("model.dropout", &m.dropout, "dropout probability (attention, residual and embedding)", "gpt", where<double>([](double v) { return v >= 0 && v < 1; }, "in [0, 1)")),
       entry("model.bias", &m.bias, "biases in the Linear layers", "gpt"),
+      entry("model.n_kv_head", &m.n_kv_head, "grouped-query attention: key/value heads, a divisor of n_head; 0 = n_head", "llama", at_least<int64_t>(0, ">= 0 (0 = n_head)")),
+      entry("model.ffn_hidden", &m.ffn_hidden, "width of the SwiGLU MLP (intermediate_size); 0 = 8/3 n_embd rounded up to a multiple of 64", "llama", at_least<int64_t>(0, ">= 0 (0 = 8/3 n_embd)")),
+      entry("model.rope_theta", &m.rope_theta, "rotary embeddings' base", "llama", where<double>([](double v) { return v > 1; }, "> 1")),
+      entry("model.rope_scaling", &m.rope_scaling, "none | llama3:FACTOR:LOW_FREQ_FACTOR:HIGH_FREQ_FACTOR:ORIGINAL_CONTEXT (Llama 3.1's, e.g. llama3:8:1:4:8192)", "llama", parses_with([](const std::string& v) { parse_rope_scaling(v); })),
+      entry("model.norm_eps", &m.norm_eps, "RMSNorm's epsilon", "llama", where<double>([](double v) { return v > 0; }, "> 0")),
+      entry("model.tie_embeddings", &m.tie_embeddings, "the output head is the token embedding", "llama"),
+      entry("model.max_positions", &m.max_positions, "the longest context the model is made for (config.json's max_position_embeddings); 0 = block_size", "llama", at_least<int64_t>(0, ">= 0 (0 = block_size)")),
+      entry("model.attn_bias", &m.attn_bias, choices::join(choices::attn_bias) + " (qkv: Qwen2's biases on q, k, v; all: also on the output projection)", "llama", one_of(choices::attn_bias)),
       entry("model.depth", &m.depth, "18 | 50", "resnet", where<int64_t>([](int64_t v) { return v == 18 || v == 50; }, "18 or 50")),
       entry("model.width", &m.width, "channels of the first stage", "resnet", at_least<int64_t>(1)),
       entry("model.stem", &m.stem, choices::join(choices::resnet_stem) + " (small: 3x3 stem for 28x28 images)", "resnet", one_of(choices::resnet_stem)),
@@ -429,6 +467,24 @@ Config Config::load(const std::string& path, const std::vector<std::string>& raw
   };
   auto given = [&](const std::string& key) { return vm.count(key) && !vm[key].defaulted(); };
 
+  for (const auto& e : all)
+    if (given(e.key)) c.given.push_back(e.key);
+  // model.init_from: config.json sets the name and shape; a key also given here must say the same.
+  if (!c.model.init_from.empty()) {
+    auto hf = model_from_hugging_face(c.model.init_from, c.model);
+    Config from_folder = c;
+    from_folder.model = hf.config;
+    auto theirs = entries(from_folder);
+    for (size_t i = 0; i < all.size(); ++i) {
+      const auto& key = all[i].key;
+      if (!given(key) || std::find(hf.keys.begin(), hf.keys.end(), key) == hf.keys.end()) continue;
+      MEMTRAIN_CHECK(all[i].show() == theirs[i].show(), ConfigError, "[config] ", key, " = ", all[i].show(), " (",
+                     origin(key), ") disagrees with model.init_from = ", c.model.init_from, ", whose config.json makes it ",
+                     theirs[i].show(), ": remove ", key, " (the folder's model_type ", hf.model_type, " sets it)");
+    }
+    c.model = hf.config;
+  }
+
   try {
     c.validate();
   } catch (const ConfigError& e) {
@@ -439,19 +495,17 @@ Config Config::load(const std::string& path, const std::vector<std::string>& raw
     throw ConfigError(msg);
   }
 
-  // A GPT preset fixes the shape: a shape key beside it would be silently ignored.
-  if (c.model.name == "gpt" && c.model.preset != "custom") {
-    for (const char* key : {"model.n_layer", "model.n_head", "model.n_embd", "model.block_size"}) {
-      MEMTRAIN_CHECK(!given(key), ConfigError, "[config] model.preset = ", c.model.preset, " (", origin("model.preset"),
-                     ") fixes the model's shape, but ", key, " = ", vm[key].as<int64_t>(), " is also given (",
-                     origin(key), "): remove ", key, " or set model.preset = custom");
-    }
+  // A preset fixes the shape: a shape key beside it would be silently ignored.
+  for (const auto& key : preset_fixed_keys(c.model)) {
+    MEMTRAIN_CHECK(!given(key), ConfigError, "[config] model.preset = ", c.model.preset, " (", origin("model.preset"),
+                   ") fixes the model's shape, but ", key, " is also given (", origin(key), "): remove ", key,
+                   " or set model.preset = custom");
   }
 
   // Settings that do nothing in this combination: one line each.
   auto warn = [&](const std::string& text) { c.warnings.push_back("[config] " + text); };
   for (const auto& e : all) {
-    if (!e.group.empty() && e.group != c.model.name && given(e.key))
+    if (!applies_to(e, c.model.name) && given(e.key))
       warn(detail::concat(e.key, " (", origin(e.key), ") is a ", e.group, " key; model.name = ", c.model.name,
                           " ignores it"));
   }
@@ -481,8 +535,27 @@ void Config::validate() const {
   // The rules that span keys.
   check_range("model.n_embd", model.n_embd, model.n_embd >= 1 && model.n_embd % model.n_head == 0,
               "a positive multiple of model.n_head");
+  if (model.name == "gpt" || model.name == "llama") {
+    const bool gpt = model.name == "gpt";
+    const auto& presets = gpt ? std::vector<std::string_view>(choices::gpt_preset.begin(), choices::gpt_preset.end())
+                              : std::vector<std::string_view>(choices::llama_preset.begin(), choices::llama_preset.end());
+    MEMTRAIN_CHECK(std::find(presets.begin(), presets.end(), model.preset) != presets.end(), ConfigError,
+                   "[config] model.preset = '", model.preset, "' is not a ", model.name, " preset; expected one of: ",
+                   gpt ? choices::join(choices::gpt_preset) : choices::join(choices::llama_preset));
+  }
+  if (model.name == "llama") {
+    const auto kv = model.n_kv_head == 0 ? model.n_head : model.n_kv_head;
+    MEMTRAIN_CHECK(model.n_head % kv == 0, ConfigError, "[config] model.n_kv_head = ", model.n_kv_head,
+                   " is out of range: expected a divisor of model.n_head = ", model.n_head);
+    MEMTRAIN_CHECK((model.n_embd / model.n_head) % 2 == 0, ConfigError, "[config] model.n_embd = ", model.n_embd,
+                   " is out of range: rotary embeddings need an even head width (n_embd / n_head = ",
+                   model.n_embd / model.n_head, ")");
+    MEMTRAIN_CHECK(model.max_positions == 0 || model.block_size <= model.max_positions, ConfigError,
+                   "[config] model.block_size = ", model.block_size, " is out of range: the model is made for at most ",
+                   model.max_positions, " positions (model.max_positions)");
+  }
   MEMTRAIN_CHECK(data.tokens.empty() || data.dataset == "text", ConfigError, "[config] data.tokens = ", data.tokens,
-                 " needs data.dataset = text (token ids for a GPT), got ", data.dataset);
+                 " needs data.dataset = text (token ids for a language model), got ", data.dataset);
   check_range("train.min_lr", train.min_lr, train.min_lr >= 0 && train.min_lr <= train.lr, "in [0, train.lr]");
   MEMTRAIN_CHECK(!(train.param_dtype == "bf16" && train.precision == "fp16"), ConfigError,
                  "[config] train.param_dtype = bf16 with train.precision = fp16 mixes two half types; use "
@@ -513,11 +586,13 @@ std::map<std::string, std::string> Config::ini_values(const std::string& ini_tex
 
 std::string Config::to_ini() const {
   auto all = entries(const_cast<Config&>(*this));
+  const auto fixed = preset_fixed_keys(model);
   std::ostringstream os;
   std::string section;
   if (!source.empty()) os << "# resolved from " << source << "\n";
   for (const auto& e : all) {
-    if (!e.group.empty() && e.group != model.name) continue;  // another model's keys
+    if (!applies_to(e, model.name)) continue;  // another model's keys
+    if (std::find(fixed.begin(), fixed.end(), e.key) != fixed.end()) continue;  // the preset's
     auto s = e.key.substr(0, e.key.find('.'));
     if (s != section) {
       os << (section.empty() ? "" : "\n") << "[" << s << "]\n";
@@ -551,7 +626,7 @@ std::string Config::help() {
   std::ostringstream os;
   for_each_group(entries(c), [&](const std::string& section, const std::string& group,
                                  const std::vector<const Entry*>& members) {
-    os << "\n[" << section << "]" << (group.empty() ? "" : " model.name = " + group + ":") << "\n";
+    os << "\n[" << section << "]" << (group.empty() ? "" : " model.name = " + group_names(group) + ":") << "\n";
     for (const auto* e : members) os << "  --" << e->key << "=" << e->show() << "\n      " << e->help << "\n";
   });
   return os.str();
@@ -569,7 +644,7 @@ std::string Config::reference_markdown() {
   for_each_group(entries(c), [&](const std::string& section, const std::string& group,
                                  const std::vector<const Entry*>& members) {
     if (group.empty()) os << "\n## [" << section << "]\n\n";
-    else os << "\n### [" << section << "] for model.name = " << group << "\n\n";
+    else os << "\n### [" << section << "] for model.name = " << group_names(group) << "\n\n";
     os << "| key | default | meaning |\n|---|---|---|\n";
     for (const auto* e : members) {
       auto shown = e->show();
@@ -579,6 +654,24 @@ std::string Config::reference_markdown() {
     }
   });
   return os.str();
+}
+
+std::optional<RopeScalingValues> parse_rope_scaling(const std::string& value) {
+  if (value == "none") return std::nullopt;
+  std::vector<double> numbers;
+  bool ok = value.rfind("llama3:", 0) == 0;
+  std::stringstream ss(ok ? value.substr(7) : "");
+  for (std::string item; ok && std::getline(ss, item, ':');) {
+    double v = 0;
+    auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+    ok = ec == std::errc() && end == item.data() + item.size() && v > 0;
+    numbers.push_back(v);
+  }
+  ok = ok && numbers.size() == 4 && numbers[2] > numbers[1] && numbers[3] == std::floor(numbers[3]);
+  MEMTRAIN_CHECK(ok, ConfigError, "[config] model.rope_scaling = '", value,
+                 "' is invalid: expected none or llama3:FACTOR:LOW_FREQ_FACTOR:HIGH_FREQ_FACTOR:ORIGINAL_CONTEXT with "
+                 "positive numbers, HIGH_FREQ_FACTOR > LOW_FREQ_FACTOR and a whole ORIGINAL_CONTEXT (e.g. llama3:8:1:4:8192)");
+  return RopeScalingValues{numbers[0], numbers[1], numbers[2], static_cast<int64_t>(numbers[3])};
 }
 
 size_t edit_distance(const std::string& a, const std::string& b) {

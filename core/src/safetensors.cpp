@@ -43,26 +43,18 @@ std::map<std::string, torch::Tensor> load_safetensors(const std::string& path) {
   return parse_safetensors(read_file_bytes(path), path);
 }
 
-std::map<std::string, torch::Tensor> parse_safetensors(const std::string& bytes, const std::string& path) {
-  const uint64_t file_size = bytes.size();
-  uint64_t header_len = 0;
-  if (file_size >= 8) std::memcpy(&header_len, bytes.data(), 8);
-  MEMTRAIN_CHECK(file_size >= 8 && header_len > 1 && header_len <= file_size - 8, DataError, "[safetensors] ", path,
-                 ": corrupt header length ", header_len, " for a file of ", file_size, " bytes");
-  const std::string header = bytes.substr(8, header_len);
-  const char* data = bytes.data() + 8 + header_len;
-  const uint64_t data_len = file_size - 8 - header_len;
-  std::map<std::string, torch::Tensor> out;
+namespace {
+
+// The header's tensors, each checked against `data_len` (the bytes after the header): a dtype the format
+// defines, a shape whose elements fit, and a byte range inside the data that the shape fills exactly.
+// Offsets are relative to the data's start.
+std::vector<SafetensorsEntry> parse_header(const std::string& header, uint64_t data_len, const std::string& path,
+                                           nlohmann::json& j) {
+  std::vector<SafetensorsEntry> out;
   std::string current = "<header>";
   try {
-    auto j = nlohmann::json::parse(header);
+    j = nlohmann::json::parse(header);
     MEMTRAIN_CHECK(j.is_object(), DataError, "[safetensors] ", path, ": header is not a JSON object");
-    if (j.contains("__metadata__") && j["__metadata__"].contains("crc32")) {
-      auto expected = j["__metadata__"]["crc32"].get<std::string>();
-      auto actual = std::to_string(crc32_of(data, data_len));
-      MEMTRAIN_CHECK(expected == actual, DataError, "[safetensors] ", path, ": checksum mismatch (expected crc32 ",
-                     expected, ", got ", actual, "): the file is corrupt");
-    }
     for (auto& [name, v] : j.items()) {
       if (name == "__metadata__") continue;
       current = name;
@@ -88,16 +80,94 @@ std::map<std::string, torch::Tensor> parse_safetensors(const std::string& bytes,
       MEMTRAIN_CHECK(range.size() == 2 && range[0] <= range[1] && range[1] <= data_len && range[1] - range[0] == nbytes,
                      DataError, "[safetensors] ", path, ": tensor '", name, "' claims bytes [",
                      range.empty() ? 0 : range[0], ", ", range.size() < 2 ? 0 : range[1], ") of ", data_len,
-                     "; its shape needs ", nbytes);
-      auto t = torch::empty(shape, torch::TensorOptions().dtype(dt->second));
-      // An empty tensor's data_ptr() is null, and memcpy from or to null is undefined even for 0 bytes.
-      if (nbytes > 0) std::memcpy(t.data_ptr(), data + range[0], nbytes);
-      out.emplace(name, t);
+                     " (the file is truncated or corrupt); its shape needs ", nbytes);
+      out.push_back({name, dt->second, shape, range[0], range[1]});
     }
   } catch (const nlohmann::json::exception& e) {
     throw DataError(detail::concat("[safetensors] ", path, ": malformed header at '", current, "': ", e.what()));
   }
   return out;
+}
+
+// The header length of a file of `file_size` bytes, checked.
+uint64_t checked_header_length(const char* first8, uint64_t file_size, const std::string& path) {
+  uint64_t header_len = 0;
+  if (file_size >= 8) std::memcpy(&header_len, first8, 8);
+  MEMTRAIN_CHECK(file_size >= 8 && header_len > 1 && header_len <= file_size - 8, DataError, "[safetensors] ", path,
+                 ": corrupt header length ", header_len, " for a file of ", file_size, " bytes");
+  return header_len;
+}
+
+}  // namespace
+
+std::map<std::string, torch::Tensor> parse_safetensors(const std::string& bytes, const std::string& path) {
+  const uint64_t file_size = bytes.size();
+  const uint64_t header_len = checked_header_length(bytes.data(), file_size, path);
+  const char* data = bytes.data() + 8 + header_len;
+  const uint64_t data_len = file_size - 8 - header_len;
+  nlohmann::json j;
+  auto entries = parse_header(bytes.substr(8, header_len), data_len, path, j);
+  if (j.contains("__metadata__") && j["__metadata__"].contains("crc32")) {
+    auto expected = j["__metadata__"]["crc32"].get<std::string>();
+    auto actual = std::to_string(crc32_of(data, data_len));
+    MEMTRAIN_CHECK(expected == actual, DataError, "[safetensors] ", path, ": checksum mismatch (expected crc32 ",
+                   expected, ", got ", actual, "): the file is corrupt");
+  }
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& e : entries) {
+    auto t = torch::empty(e.shape, torch::TensorOptions().dtype(e.dtype));
+    // An empty tensor's data_ptr() is null, and memcpy from or to null is undefined even for 0 bytes.
+    if (e.end > e.begin) std::memcpy(t.data_ptr(), data + e.begin, e.end - e.begin);
+    out.emplace(e.name, t);
+  }
+  return out;
+}
+
+SafetensorsIndex read_safetensors_index(const std::string& path) {
+  SafetensorsIndex index;
+  index.path = path;
+  std::error_code ec;
+  index.file_size = std::filesystem::file_size(path, ec);
+  MEMTRAIN_CHECK(!ec, DataError, "[safetensors] cannot open ", path, ": ", ec.message());
+  std::ifstream in(path, std::ios::binary);
+  char first8[8] = {};
+  in.read(first8, 8);
+  const uint64_t header_len = checked_header_length(first8, in ? index.file_size : 0, path);
+  std::string header(header_len, '\0');
+  in.read(header.data(), static_cast<std::streamsize>(header_len));
+  MEMTRAIN_CHECK(in.good(), DataError, "[safetensors] ", path, ": cannot read its ", header_len, "-byte header");
+  index.data_offset = 8 + header_len;
+  nlohmann::json j;
+  index.tensors = parse_header(header, index.file_size - index.data_offset, path, j);
+  return index;
+}
+
+torch::Tensor read_safetensors_elements(const SafetensorsIndex& index, const SafetensorsEntry& entry, int64_t begin,
+                                        int64_t end) {
+  const auto item = static_cast<int64_t>(c10::elementSize(entry.dtype));
+  const int64_t numel = static_cast<int64_t>(entry.end - entry.begin) / item;
+  MEMTRAIN_CHECK(0 <= begin && begin <= end && end <= numel, Error, "[safetensors] elements [", begin, ", ", end,
+                 ") of '", entry.name, "' (", numel, " elements)");
+  auto t = torch::empty({end - begin}, torch::TensorOptions().dtype(entry.dtype));
+  const int fd = ::open(index.path.c_str(), O_RDONLY | O_CLOEXEC);
+  MEMTRAIN_CHECK(fd >= 0, DataError, "[safetensors] cannot open ", index.path, ": ", std::strerror(errno));
+  auto* dst = static_cast<char*>(t.data_ptr());
+  uint64_t want = static_cast<uint64_t>(end - begin) * item, done = 0;
+  const uint64_t at = index.data_offset + entry.begin + static_cast<uint64_t>(begin) * item;
+  while (done < want) {
+    const auto got = ::pread(fd, dst + done, want - done, static_cast<off_t>(at + done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) {
+      const int err = errno;
+      ::close(fd);
+      throw DataError(detail::concat("[safetensors] ", index.path, ": tensor '", entry.name, "' ends early (read ",
+                                     done, " of ", want, " bytes", got < 0 ? std::string(": ") + std::strerror(err) : "",
+                                     "): the file is truncated"));
+    }
+    done += static_cast<uint64_t>(got);
+  }
+  ::close(fd);
+  return t;
 }
 
 SavedFile save_safetensors(const std::string& path, const std::map<std::string, torch::Tensor>& tensors,

@@ -4,6 +4,9 @@
 //   memtrain --help                      every key, its default and what it does
 //   memtrain --config X --print-config   the resolved config, without training
 //   memtrain --print-config-reference    the Markdown page docs/config-reference.md
+//   memtrain eval --config X [--model.init_from=DIR | --weights W]   the validation loss, without training
+//   memtrain export --checkpoint PATH --out DIR [--dtype float32|bfloat16|float16] [--max-shard-mb N]
+//                                        a training-state checkpoint as a Hugging Face folder
 //   memtrain --config X --generate N --weights W [--prompt-ids 1,2,3] [--temperature T] [--top-k K]
 //                                        N token ids sampled from a trained GPT (scripts/sample.py
 //                                        turns text into the prompt's ids and the ids back into text)
@@ -13,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -26,6 +30,8 @@
 #include "memtrain/core/error.h"
 #include "memtrain/core/safetensors.h"
 #include "memtrain/distributed/world.h"
+#include "memtrain/core/files.h"
+#include "memtrain/runtime/export.h"
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/generate.h"
 #include "memtrain/runtime/trainer.h"
@@ -38,7 +44,11 @@ constexpr const char* kUsage =
     "Sampling: memtrain --config X --generate N --weights FILE.safetensors [--prompt-ids 1,2,3] [--temperature T]\n"
     "[--top-k K] prints N token ids continuing the prompt (default: token 0).\n"
     "Estimate: memtrain estimate [--ranks N] --config X [--section.key=value ...] prints each rank's peak memory by\n"
-    "component before anything trains (a probe forward + backward at two small micro-batches), and by ZeRO stage.\n";
+    "component before anything trains (a probe forward + backward at two small micro-batches), and by ZeRO stage.\n"
+    "Evaluate: memtrain eval --config X [--model.init_from=DIR | --weights FILE.safetensors] prints 'val loss L' over\n"
+    "the validation windows (train.eval_batches of train.micro_batch) and writes it to <log.dir>/<log.name>-eval/summary.json.\n"
+    "Export: memtrain export --checkpoint PATH --out DIR [--dtype float32|bfloat16|float16] [--max-shard-mb N] writes a\n"
+    "training-state checkpoint (any world size and ZeRO stage) as a Hugging Face folder (config.json + safetensors).\n";
 
 // "1,2,3" -> {1, 2, 3}.
 std::vector<int64_t> parse_ids(const std::string& text) {
@@ -72,7 +82,7 @@ int sample(const memtrain::Config& config, const std::map<std::string, std::stri
   for (auto id : prompt)
     MEMTRAIN_CHECK(id < data->info().vocab_size, memtrain::ConfigError, "--prompt-ids: id ", id,
                    " is outside the vocabulary of ", data->info().vocab_size);
-  const auto ids = memtrain::generate(*model, memtrain::gpt_block_size(config.model), prompt, o);
+  const auto ids = memtrain::generate(*model, memtrain::context_length(config.model), prompt, o);
   std::cout << "ids:";
   for (auto id : ids) std::cout << " " << id;
   std::cout << "\n";
@@ -110,8 +120,64 @@ int estimate(const memtrain::Config& config, int ranks) {
   return 0;
 }
 
+// `memtrain eval`: the validation loss of the config's model (its init_from weights, or --weights), without
+// training. Every rank takes part (ZeRO stage 3 gathers as in training); rank 0 prints and writes.
+int eval(const memtrain::Config& config, const std::map<std::string, std::string>& flags) {
+  memtrain::Trainer trainer(config);
+  if (flags.count("--weights"))
+    memtrain::load_module_state(trainer.model(), memtrain::load_safetensors(flags.at("--weights")), flags.at("--weights"));
+  const auto e = trainer.validate();
+  if (!trainer.world().is_main()) return 0;
+  const auto& l = config.log;
+  const auto name = (l.name.empty() ? (config.source.empty() ? std::string("memtrain")
+                                                              : std::filesystem::path(config.source).stem().string())
+                                    : l.name) + "-eval";
+  const auto dir = std::filesystem::path(l.dir) / name;
+  std::filesystem::create_directories(dir);
+  std::ostringstream json;
+  json << "{\n  \"mode\": \"eval\",\n  \"model\": \"" << trainer.model().describe() << "\",\n  \"init_from\": \""
+       << config.model.init_from << "\",\n  \"weights\": \"" << (flags.count("--weights") ? flags.at("--weights") : "")
+       << "\",\n  \"val_loss\": " << memtrain::format_shortest(e.loss) << ",\n  \"val_samples\": " << e.samples
+       << ",\n  \"val_tokens\": " << e.samples * trainer.model().tokens_per_sample() << "\n}\n";
+  memtrain::write_file_atomically((dir / "summary.json").string(), json.str());
+  std::cout << "model:   " << trainer.model().describe() << "\n"
+            << "val loss " << memtrain::format_shortest(e.loss) << " over " << e.samples << " samples"
+            << (e.accuracy >= 0 ? ", accuracy " + memtrain::format_shortest(e.accuracy) : std::string()) << "\n"
+            << "summary: " << (dir / "summary.json").string() << "\n";
+  return 0;
+}
+
+// `memtrain export`: no config; the checkpoint's own.
+int export_checkpoint(const std::map<std::string, std::string>& flags) {
+  auto need = [&](const char* flag) {
+    auto it = flags.find(flag);
+    MEMTRAIN_CHECK(it != flags.end() && !it->second.empty(), memtrain::ConfigError, "export needs ", flag,
+                   " (memtrain export --checkpoint PATH --out DIR)");
+    return it->second;
+  };
+  memtrain::ExportOptions o{.checkpoint = need("--checkpoint"), .out = need("--out")};
+  if (flags.count("--dtype")) {
+    const auto& d = flags.at("--dtype");
+    if (d == "float32") o.dtype = torch::kFloat;
+    else if (d == "bfloat16") o.dtype = torch::kBFloat16;
+    else if (d == "float16") o.dtype = torch::kHalf;
+    else throw memtrain::ConfigError("export: --dtype '" + d + "' is not float32 | bfloat16 | float16");
+  }
+  if (flags.count("--max-shard-mb")) {
+    const auto& v = flags.at("--max-shard-mb");
+    const auto mb = memtrain::detail::parse_count(v);
+    MEMTRAIN_CHECK(mb.has_value(), memtrain::ConfigError, "export: --max-shard-mb '", v, "' is not a whole number >= 1");
+    o.max_shard_bytes = *mb * 1000 * 1000;
+  }
+  const auto r = memtrain::export_hugging_face(o);
+  std::cout << "exported: " << r.checkpoint << " (step " << r.step << ", " << r.parameters << " parameters) to " << o.out
+            << "\n";
+  for (const auto& f : r.files) std::cout << "  " << f << "\n";
+  return 0;
+}
+
 // The subcommands; training itself takes none.
-constexpr const char* kSubcommands[] = {"estimate"};
+constexpr const char* kSubcommands[] = {"estimate", "eval", "export"};
 
 // A first word that is neither an option nor a subcommand ("memtrain estimat --config X"): an error naming the
 // subcommands and the closest one, rather than a training run that silently ignores it.
@@ -134,18 +200,23 @@ struct Args {
   bool print_only = false;
   bool estimate_only = false;
   int estimate_ranks = 0;
+  std::string subcommand;                      // "" (train) | estimate | eval | export
+  std::map<std::string, std::string> exporting;  // export's flags
 };
 
 // Fills `a`; an exit code when the command line is answered here (--help, a bad word) or wrong.
 std::optional<int> parse_args(int argc, char** argv, Args& a) {
   // memtrain estimate [--ranks N] [--config X] [overrides]: the memory estimate, without training.
-  a.estimate_only = argc > 1 && std::string(argv[1]) == "estimate";
-  const bool estimate_only = a.estimate_only;
-  if (argc > 1 && argv[1][0] != '-' && !estimate_only) {
-    std::cerr << unknown_subcommand(argv[1]) << "\n";
-    return 2;
+  if (argc > 1 && argv[1][0] != '-') {
+    a.subcommand = argv[1];
+    if (std::find(std::begin(kSubcommands), std::end(kSubcommands), a.subcommand) == std::end(kSubcommands)) {
+      std::cerr << unknown_subcommand(argv[1]) << "\n";
+      return 2;
+    }
   }
-  for (int i = estimate_only ? 2 : 1; i < argc; ++i) {
+  a.estimate_only = a.subcommand == "estimate";
+  const bool estimate_only = a.estimate_only;
+  for (int i = a.subcommand.empty() ? 1 : 2; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
       std::cout << kUsage << "\nkeys:\n" << memtrain::Config::help();
@@ -166,6 +237,17 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
         std::cerr << "memtrain: estimate: --ranks '" << v << "' is not a whole number >= 1\n";
         return 2;
       }
+    } else if (a.subcommand == "export" &&
+               (arg == "--checkpoint" || arg == "--out" || arg == "--dtype" || arg == "--max-shard-mb")) {
+      if (i + 1 >= argc) {
+        std::cerr << "memtrain: export: " << arg << " needs a value\n";
+        return 2;
+      }
+      a.exporting[arg] = argv[++i];
+    } else if (a.subcommand == "export") {
+      std::cerr << "memtrain: export: unknown argument '" << arg
+                << "' (memtrain export --checkpoint PATH --out DIR [--dtype float32|bfloat16|float16] [--max-shard-mb N])\n";
+      return 2;
     } else if (arg == "--print-config") {
       a.print_only = true;
     } else if ((arg == "--generate" || arg == "--weights" || arg == "--prompt-ids" || arg == "--temperature" || arg == "--top-k") &&
@@ -204,6 +286,7 @@ int main(int argc, char** argv) {
   };
   int64_t limit_mib = 0;  // for an out-of-memory error outside a step (the step's own names the step)
   try {
+    if (args.subcommand == "export") return export_checkpoint(args.exporting);
     auto config = memtrain::Config::load(args.config_path, args.overrides);
     limit_mib = config.memory.limit_mib;
     if (memtrain::World::from_env().is_main())
@@ -213,6 +296,11 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (args.sampling.count("--generate")) return sample(config, args.sampling);
+    if (args.subcommand == "eval") {
+      for (const auto& [flag, value] : args.sampling)
+        MEMTRAIN_CHECK(flag == "--weights", memtrain::ConfigError, flag, " is for --generate");
+      return eval(config, args.sampling);
+    }
     MEMTRAIN_CHECK(args.sampling.empty(), memtrain::ConfigError, args.sampling.begin()->first, " is for --generate");
     if (args.estimate_only) return estimate(config, args.estimate_ranks);
     trainer = std::make_unique<memtrain::Trainer>(config);

@@ -21,8 +21,30 @@ namespace {
 
 }  // namespace
 
-int64_t gpt_block_size(const ModelConfig& c) {
-  return c.preset == "custom" ? c.block_size : GPTOptions::preset(c.preset).block_size;
+int64_t context_length(const ModelConfig& c) {
+  return c.name == "gpt" && c.preset != "custom" ? GPTOptions::preset(c.preset).block_size : c.block_size;
+}
+
+bool is_language_model(const ModelConfig& c) { return c.name == "gpt" || c.name == "llama"; }
+
+LlamaOptions llama_options(const ModelConfig& c, int64_t vocab) {
+  LlamaOptions o;
+  if (c.preset != "custom") {
+    o = LlamaOptions::preset(c.preset);
+  } else {
+    o.n_layer = c.n_layer, o.n_head = c.n_head, o.n_embd = c.n_embd;
+    o.n_kv_head = c.n_kv_head > 0 ? c.n_kv_head : c.n_head;
+    // SwiGLU's 8/3 width (Shazeer 2020, as Llama sizes it) rounded up to a multiple of 64.
+    o.ffn_hidden = c.ffn_hidden > 0 ? c.ffn_hidden : (8 * c.n_embd / 3 + 63) / 64 * 64;
+    o.rope_theta = c.rope_theta, o.norm_eps = c.norm_eps, o.tie_embeddings = c.tie_embeddings;
+    o.qkv_bias = c.attn_bias != "none", o.out_bias = c.attn_bias == "all";
+    o.vocab_size = c.vocab_size > 0 ? c.vocab_size : vocab;
+    if (auto r = parse_rope_scaling(c.rope_scaling))
+      o.rope_scaling = {.type = "llama3", .factor = r->factor, .low_freq_factor = r->low_freq_factor,
+                        .high_freq_factor = r->high_freq_factor, .original_max_position = r->original_context};
+  }
+  o.block_size = c.block_size;
+  return o;
 }
 
 std::shared_ptr<Model> make_model(const ModelConfig& c, const DataInfo& data) {
@@ -40,6 +62,12 @@ std::shared_ptr<Model> make_model(const ModelConfig& c, const DataInfo& data) {
     MEMTRAIN_CHECK(o.vocab_size >= data.vocab_size, ConfigError, "[model] vocab_size ", o.vocab_size,
                    " is smaller than the data's vocabulary (", data.vocab_size, " tokens)");
     return std::make_shared<GPT>(o);
+  }
+  if (c.name == "llama") {
+    auto o = llama_options(c, data.vocab_size);
+    MEMTRAIN_CHECK(o.vocab_size >= data.vocab_size, ConfigError, "[model] vocab_size ", o.vocab_size,
+                   " is smaller than the data's vocabulary (", data.vocab_size, " tokens)");
+    return std::make_shared<Llama>(o);
   }
   if (c.name == "resnet") {
     ResNetOptions o;
@@ -62,8 +90,8 @@ std::shared_ptr<Model> make_model(const ModelConfig& c, const DataInfo& data) {
 std::unique_ptr<Dataset> make_dataset(const Config& c, const Shard& shard) {
   const auto& d = c.data;
   if (d.dataset == "text") {
-    MEMTRAIN_CHECK(c.model.name == "gpt", ConfigError, "[config] data.dataset = text needs model.name = gpt, got '",
-                   c.model.name, "'");
+    MEMTRAIN_CHECK(is_language_model(c.model), ConfigError,
+                   "[config] data.dataset = text needs a language model (model.name = gpt | llama), got '", c.model.name, "'");
     TextDataOptions o;
     o.path = d.path.empty() ? (fs::path(default_data_dir()) / "text" / "austen.txt").string() : d.path;
     o.tokens = d.tokens, o.val_tokens = d.val_tokens, o.token_format = d.token_format;
@@ -74,13 +102,13 @@ std::unique_ptr<Dataset> make_dataset(const Config& c, const Shard& shard) {
       o.tokens = (set / "train.bin").string();
       if (d.val_tokens.empty()) o.val_tokens = (set / "val.bin").string();
     }
-    o.block_size = gpt_block_size(c.model);
+    o.block_size = context_length(c.model);
     o.val_fraction = d.val_fraction, o.seed = c.train.seed, o.accum_steps = c.train.accum_steps;
     return make_text_dataset(o, shard);
   }
   if (d.dataset == "fashion_mnist") {
-    MEMTRAIN_CHECK(c.model.name != "gpt", ConfigError,
-                   "[config] data.dataset = fashion_mnist needs an image model (resnet | mlp), got 'gpt'");
+    MEMTRAIN_CHECK(!is_language_model(c.model), ConfigError,
+                   "[config] data.dataset = fashion_mnist needs an image model (resnet | mlp), got '", c.model.name, "'");
     FashionMnistOptions o;
     o.root = d.path.empty() ? (fs::path(default_data_dir()) / "fashion-mnist").string() : d.path;
     o.val_fraction = d.val_fraction, o.seed = c.train.seed, o.accum_steps = c.train.accum_steps;
@@ -89,11 +117,13 @@ std::unique_ptr<Dataset> make_dataset(const Config& c, const Shard& shard) {
   if (d.dataset == "synthetic") {
     SyntheticDataOptions o;
     o.seed = c.train.seed;
-    o.text = c.model.name == "gpt";
+    o.text = is_language_model(c.model);
     if (o.text) {
-      const bool gpt2_vocab = c.model.preset != "custom" && c.model.preset != "tiny";
-      o.info.vocab_size = c.model.vocab_size > 0 ? c.model.vocab_size : (gpt2_vocab ? 50257 : 256);
-      o.block_size = gpt_block_size(c.model);
+      int64_t preset_vocab = 256;
+      if (c.model.name == "gpt" && c.model.preset != "custom") preset_vocab = GPTOptions::preset(c.model.preset).vocab_size;
+      if (c.model.name == "llama" && c.model.preset != "custom") preset_vocab = LlamaOptions::preset(c.model.preset).vocab_size;
+      o.info.vocab_size = c.model.vocab_size > 0 ? c.model.vocab_size : preset_vocab;
+      o.block_size = context_length(c.model);
     } else {
       o.info = DataInfo{};  // Fashion-MNIST's shape: 1 x 28 x 28, 10 classes
     }

@@ -19,6 +19,7 @@
 #include "memtrain/core/error.h"
 #include "memtrain/core/files.h"
 #include "memtrain/core/safetensors.h"
+#include "memtrain/models/hugging_face.h"
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/fused_loss.h"
 #include "memtrain/runtime/run_report.h"
@@ -60,6 +61,15 @@ Trainer::Trainer(const Config& config, const World& world) : config_(config), wo
   data_ = make_dataset(config_, {world_.rank, world_.world_size});
   torch::manual_seed(static_cast<uint64_t>(config_.train.seed));  // weights depend on the seed alone
   model_ = make_model(config_.model, data_->info());
+  if (!config_.model.init_from.empty()) {
+    // Before setup(): the bf16 cast, the fp32 masters and the ZeRO buckets all start from these weights.
+    const auto begin = std::chrono::steady_clock::now();
+    const auto loaded = load_hugging_face_weights(*model_, config_.model.init_from);
+    if (world_.is_main())
+      std::cout << "init_from:  " << config_.model.init_from << ": " << loaded.tensors << " tensors, "
+                << format_bytes(loaded.bytes_read) << " from " << loaded.files << (loaded.files == 1 ? " file" : " files")
+                << " in " << std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count() << " s\n";
+  }
   setup();
 }
 

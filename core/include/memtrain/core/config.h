@@ -18,9 +18,17 @@ namespace memtrain {
 // The allowed values of every enumerated key, written once: the validator, the factories, --help and
 // the docs read them from here.
 namespace choices {
-inline constexpr std::array<std::string_view, 3> model_name{"gpt", "resnet", "mlp"};
+inline constexpr std::array<std::string_view, 4> model_name{"gpt", "llama", "resnet", "mlp"};
+// model.preset: GPT's (tiny .. gpt2-xl) and the Llama family's published shapes (model.name = llama).
 inline constexpr std::array<std::string_view, 6> gpt_preset{"custom", "tiny", "gpt2", "gpt2-medium", "gpt2-large",
                                                             "gpt2-xl"};
+inline constexpr std::array<std::string_view, 7> llama_preset{"custom",       "llama-3.2-1b", "llama-3.2-3b",
+                                                              "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b",
+                                                              "mistral-7b"};
+inline constexpr std::array<std::string_view, 12> model_preset{
+    "custom", "tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama-3.2-1b", "llama-3.2-3b",
+    "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b", "mistral-7b"};
+inline constexpr std::array<std::string_view, 3> attn_bias{"none", "qkv", "all"};
 inline constexpr std::array<std::string_view, 2> resnet_stem{"small", "imagenet"};
 inline constexpr std::array<std::string_view, 3> dataset{"text", "fashion_mnist", "synthetic"};
 inline constexpr std::array<std::string_view, 3> device{"cpu", "cuda", "auto"};
@@ -46,16 +54,29 @@ std::string join(const std::array<std::string_view, N>& values) {
 }  // namespace choices
 
 struct ModelConfig {
-  std::string name = "gpt";     // gpt | resnet | mlp
-  // gpt
-  std::string preset = "custom";  // custom | tiny | gpt2 | gpt2-medium | gpt2-large | gpt2-xl
+  std::string name = "gpt";     // gpt | llama | resnet | mlp
+  // gpt and llama
+  // A Hugging Face folder (config.json, *.safetensors): its config.json sets name and shape, its weights the
+  // initial parameters.
+  std::string init_from = "";
+  std::string preset = "custom";  // custom | tiny | gpt2 | ... (gpt) | llama-3.2-1b | ... (llama)
   int64_t n_layer = 4;
   int64_t n_head = 4;
   int64_t n_embd = 128;
   int64_t block_size = 128;     // context length, tokens
   int64_t vocab_size = 0;       // 0: taken from the data (256 for byte-level text)
+  // gpt
   double dropout = 0.0;
   bool bias = true;
+  // llama
+  int64_t n_kv_head = 0;        // grouped-query attention's k/v heads; 0 = n_head
+  int64_t ffn_hidden = 0;       // the SwiGLU MLP's width (intermediate_size); 0 = 8/3 n_embd rounded up to 64
+  double rope_theta = 10000.0;
+  std::string rope_scaling = "none";  // none | llama3:FACTOR:LOW_FREQ:HIGH_FREQ:ORIGINAL_CONTEXT
+  double norm_eps = 1e-5;       // RMSNorm's epsilon
+  bool tie_embeddings = false;  // the output head is the token embedding
+  std::string attn_bias = "none";  // none | qkv (Qwen2) | all (Llama's attention_bias)
+  int64_t max_positions = 0;    // the longest context the model is made for (max_position_embeddings); 0 = block_size
   // resnet
   int64_t depth = 18;           // 18 | 50
   int64_t width = 64;           // channels of the first stage (64 in the published nets)
@@ -166,6 +187,8 @@ struct Config {
   LogConfig log;
   CheckpointConfig checkpoint;
   std::string source;  // the file it came from ("" if none)
+  // The keys the file or the command line set (not left at their defaults).
+  std::vector<std::string> given;
   // Settings that do nothing in this combination (load() fills it; the binary prints each on rank 0).
   std::vector<std::string> warnings;
 
@@ -191,6 +214,12 @@ struct Config {
 int64_t parse_head_rows(const std::string& mode);
 // memory.budget_mib: the budget in MiB (> 0), 0 (no planner) or -1 (auto). Throws ConfigError otherwise.
 double parse_budget_mib(const std::string& value);
+// model.rope_scaling: nullopt for none, else llama3's four numbers. Throws ConfigError naming the value otherwise.
+struct RopeScalingValues {
+  double factor, low_freq_factor, high_freq_factor;
+  int64_t original_context;
+};
+std::optional<RopeScalingValues> parse_rope_scaling(const std::string& value);
 // A number as the config prints it: the shortest text that reads back to the same double (0.1, not
 // 0.10000000000000001).
 std::string format_shortest(double v);

@@ -11,6 +11,7 @@
 
 #include "memtrain/core/config.h"
 #include "memtrain/data/datasets.h"
+#include "memtrain/models/llama.h"
 #include "memtrain/models/model.h"
 #include "memtrain/distributed/data_parallel.h"
 #include "memtrain/optim/optimizer.h"
@@ -20,10 +21,15 @@ namespace memtrain {
 
 // model.name (choices::model_name) with its keys; the vocabulary or image shape from the data.
 std::shared_ptr<Model> make_model(const ModelConfig& config, const DataInfo& data);
-// data.dataset (choices::dataset); the GPT's context length from [model].
+// data.dataset (choices::dataset); a language model's context length from [model].
 std::unique_ptr<Dataset> make_dataset(const Config& config, const Shard& shard);
-// The GPT's context length: model.block_size, or its preset's.
-int64_t gpt_block_size(const ModelConfig& config);
+// A language model's context length: model.block_size, or its GPT preset's.
+int64_t context_length(const ModelConfig& config);
+// gpt and llama: the models that read token ids.
+bool is_language_model(const ModelConfig& config);
+// The Llama options model.name = llama describes (its preset's shape, or the keys'), vocabulary `vocab`
+// where neither gives one.
+LlamaOptions llama_options(const ModelConfig& config, int64_t vocab);
 // train.optimizer (choices::optimizer) and its hyper-parameters.
 OptimizerOptions optimizer_options(const TrainOptions& train);
 // train.lr / min_lr / warmup_steps / steps: the cosine schedule.

@@ -89,6 +89,9 @@ class Trainer {
   StepResult step();          // one optimizer step: micro-batches, reduce, clip, update, memory
   // The mean loss (and accuracy) over `batches`, on the same forward as training. Collective with ranks.
   EvalResult evaluate(const std::vector<Batch>& batches);
+  // evaluate() over the validation windows: train.eval_batches micro-batches, non-overlapping from the start
+  // of the held-out data (what fit() logs as val loss, and `memtrain eval` prints). Collective with ranks.
+  EvalResult validate();
   // config.train.steps steps with logging, evaluation and saving (a RunReport writes every output);
   // resumes first when checkpoint.resume says so. SIGTERM / SIGINT while it runs: the current step ends, a
   // checkpoint is saved, fit() returns (stopped_by_signal()); a second signal exits the process at once.
@@ -170,8 +173,7 @@ class Trainer {
   void make_output_folders() const;                 // fit(): every folder it writes, probed before step 1
   bool agree(bool ok) { return agreement().all(ok); }
   bool stop_requested();                            // a stop signal on any rank (collective)
-  // fit()'s pieces: a validation pass and a save (its line in the report), each traced; the end of the run.
-  EvalResult validate();
+  // fit()'s pieces: a save (its line in the report), traced; the end of the run.
   std::string save_reported(RunReport& report);    // the checkpoint's folder
   void finish(RunReport& report);
   std::vector<ShardPiece> state_pieces() const;

@@ -1,0 +1,61 @@
+// Hugging Face checkpoints in and out: which tensor of a checkpoint is which parameter of memtrain's GPT
+// (GPT-2's layout: `transformer.` names, Conv1D weights stored (in, out), the head tied to wte) and Llama
+// (named as LlamaForCausalLM already), reading a folder's weights (model.safetensors, or the shards its
+// model.safetensors.index.json names) into a model, and writing a folder `from_pretrained` loads.
+//
+//   auto loaded = memtrain::load_hugging_face_weights(*model, "hf/Llama-3.2-1B");   // every tensor checked first
+//   memtrain::save_hugging_face("out/", cfg.model, named_full_parameters, {.dtype = torch::kBFloat16});
+#pragma once
+
+#include <torch/types.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "memtrain/core/config.h"
+#include "memtrain/models/model.h"
+
+namespace memtrain {
+
+// A parameter's tensor in a Hugging Face checkpoint.
+struct HuggingFaceName {
+  std::string name;         // transformer.h.0.attn.c_attn.weight
+  bool transposed = false;  // stored as the transpose of memtrain's (GPT-2's Conv1D weights)
+};
+// The checkpoint name of memtrain parameter `parameter` of a model.name = `model` (gpt | llama).
+HuggingFaceName hugging_face_name(const std::string& model, const std::string& parameter);
+
+struct HuggingFaceLoad {
+  int64_t tensors = 0;     // parameters filled
+  int64_t files = 0;       // safetensors files read
+  int64_t bytes_read = 0;  // tensor bytes read from them
+};
+
+// The safetensors files of a Hugging Face folder: the shards model.safetensors.index.json names (each
+// checked to exist), else model.safetensors. Throws DataError naming what is missing.
+std::vector<std::string> hugging_face_weight_files(const std::string& dir);
+
+// Fills every parameter of `model` (a GPT or a Llama) from the folder's weights, converting the stored
+// dtype (fp32 / bf16 / fp16) to the parameter's. Everything is checked before anything is copied: a missing
+// or unexpected tensor, a shape that differs, a missing shard or a truncated file is a DataError naming the
+// tensor and the file, and the model is left as it was. Reads one tensor at a time (offset reads): the host
+// holds the model plus one tensor. A tied head's `lm_head.weight` (which some checkpoints store besides the
+// embedding) and buffers that are not parameters (GPT-2's attn.bias masks, rotary inv_freq) are skipped.
+HuggingFaceLoad load_hugging_face_weights(Model& model, const std::string& dir);
+
+struct HuggingFaceSaveOptions {
+  c10::ScalarType dtype = torch::kFloat;           // the weights' stored dtype
+  int64_t max_shard_bytes = 5LL * 1000 * 1000 * 1000;  // save_pretrained's 5GB: above it, shards and an index
+};
+
+// Writes config.json and the weights of `parameters` (memtrain names, full tensors, a tied weight once)
+// into `dir` in the Hugging Face names and layout: one model.safetensors, or model-0000K-of-0000N.safetensors
+// with model.safetensors.index.json when they exceed max_shard_bytes. Written into `dir`.partial and renamed:
+// a failure leaves no half folder. `dir` must not exist yet (an export never overwrites one).
+// Returns the files written.
+std::vector<std::string> save_hugging_face(const std::string& dir, const ModelConfig& config,
+                                           const std::map<std::string, torch::Tensor>& parameters,
+                                           const HuggingFaceSaveOptions& options = {});
+
+}  // namespace memtrain

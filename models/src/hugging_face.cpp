@@ -1,0 +1,218 @@
+#include "memtrain/models/hugging_face.h"
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "memtrain/core/error.h"
+#include "memtrain/core/files.h"
+#include "memtrain/core/hugging_face_config.h"
+#include "memtrain/core/safetensors.h"
+#include "memtrain/models/gpt.h"
+#include "memtrain/models/llama.h"
+
+namespace memtrain {
+
+namespace fs = std::filesystem;
+
+HuggingFaceName hugging_face_name(const std::string& model, const std::string& parameter) {
+  if (model == "llama") return {parameter, false};  // Llama's modules carry LlamaForCausalLM's names
+  MEMTRAIN_CHECK(model == "gpt", Error, "[weights] model.name = ", model, " has no Hugging Face layout (gpt and llama do)");
+  // GPT-2's c_attn, c_proj and c_fc are Conv1D: their weight is stored (in, out), nn.Linear's transpose.
+  const bool conv1d = parameter.ends_with(".weight") && (parameter.find(".c_attn.") != std::string::npos ||
+                                                         parameter.find(".c_proj.") != std::string::npos ||
+                                                         parameter.find(".c_fc.") != std::string::npos);
+  return {"transformer." + parameter, conv1d};
+}
+
+std::vector<std::string> hugging_face_weight_files(const std::string& dir) {
+  const auto index = fs::path(dir) / "model.safetensors.index.json";
+  const auto single = fs::path(dir) / "model.safetensors";
+  std::error_code ec;
+  if (!fs::exists(index, ec)) {
+    MEMTRAIN_CHECK(fs::is_regular_file(single, ec), DataError, "[weights] ", dir,
+                   ": no model.safetensors and no model.safetensors.index.json (a PyTorch .bin checkpoint can be "
+                   "converted with transformers: from_pretrained, then save_pretrained(safe_serialization=True))");
+    return {single.string()};
+  }
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_file_bytes(index.string()));
+  } catch (const nlohmann::json::exception& e) {
+    throw DataError(detail::concat("[weights] ", index.string(), ": not valid JSON: ", e.what()));
+  }
+  MEMTRAIN_CHECK(j.is_object() && j.contains("weight_map") && j["weight_map"].is_object(), DataError, "[weights] ",
+                 index.string(), ": no weight_map object");
+  std::vector<std::string> files;
+  std::set<std::string> seen;
+  for (auto& [tensor, file] : j["weight_map"].items()) {
+    MEMTRAIN_CHECK(file.is_string(), DataError, "[weights] ", index.string(), ": weight_map['", tensor, "'] is not a file name");
+    const auto name = file.get<std::string>();
+    if (!seen.insert(name).second) continue;
+    const auto path = fs::path(dir) / name;
+    MEMTRAIN_CHECK(fs::is_regular_file(path, ec), DataError, "[weights] ", dir, ": missing shard ", name,
+                   " (model.safetensors.index.json names it for '", tensor, "')");
+    files.push_back(path.string());
+  }
+  MEMTRAIN_CHECK(!files.empty(), DataError, "[weights] ", index.string(), ": weight_map names no file");
+  return files;
+}
+
+namespace {
+
+struct Located {
+  const SafetensorsIndex* file = nullptr;
+  const SafetensorsEntry* entry = nullptr;
+};
+
+// Names a checkpoint may hold that are not parameters: GPT-2's causal-mask buffers, rotary tables.
+bool is_buffer(const std::string& name) {
+  return name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") || name.ends_with("rotary_emb.inv_freq");
+}
+
+std::string model_kind(Model& model) {
+  if (dynamic_cast<GPT*>(&model)) return "gpt";
+  if (dynamic_cast<Llama*>(&model)) return "llama";
+  throw ConfigError("[weights] model.init_from needs a gpt or llama model; this model is " + model.describe());
+}
+
+bool is_tied(Model& model) {
+  if (dynamic_cast<GPT*>(&model)) return true;
+  auto* llama = dynamic_cast<Llama*>(&model);
+  return llama && llama->options().tie_embeddings;
+}
+
+}  // namespace
+
+HuggingFaceLoad load_hugging_face_weights(Model& model, const std::string& dir) {
+  const auto kind = model_kind(model);
+  // 1. Every file's header (no tensor data yet); which file holds which tensor.
+  std::vector<SafetensorsIndex> files;
+  for (const auto& path : hugging_face_weight_files(dir)) files.push_back(read_safetensors_index(path));
+  std::map<std::string, Located> where;
+  for (const auto& f : files)
+    for (const auto& e : f.tensors) {
+      auto [it, added] = where.emplace(e.name, Located{&f, &e});
+      MEMTRAIN_CHECK(added, DataError, "[weights] ", dir, ": tensor '", e.name, "' is in both ", it->second.file->path,
+                     " and ", f.path);
+    }
+  // GPT-2 checkpoints saved before `transformer.` was the prefix (openai-community/gpt2's own) name h.0...
+  const bool bare_gpt2 = kind == "gpt" && !where.count("transformer.wte.weight") && where.count("wte.weight");
+
+  // 2. Each parameter's tensor, its shape and dtype checked.
+  struct Fill {
+    torch::Tensor parameter;
+    Located from;
+    bool transposed;
+  };
+  std::vector<Fill> fills;
+  std::set<std::string> used;
+  std::set<const void*> seen;
+  for (const auto& item : model.named_parameters()) {
+    const auto& p = item.value();
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;  // a tied weight once
+    auto hf = hugging_face_name(kind, item.key());
+    if (bare_gpt2) hf.name = item.key();
+    auto it = where.find(hf.name);
+    MEMTRAIN_CHECK(it != where.end(), DataError, "[weights] ", dir, ": no tensor '", hf.name, "' (memtrain's ",
+                   item.key(), ", shape ", p.sizes(), ") in ", files.size() == 1 ? files[0].path : detail::concat(files.size(), " shards"));
+    const auto& e = *it->second.entry;
+    auto expected = p.sizes().vec();
+    if (hf.transposed) std::reverse(expected.begin(), expected.end());
+    MEMTRAIN_CHECK(e.shape == expected, DataError, "[weights] ", it->second.file->path, ": tensor '", hf.name,
+                   "' has shape ", c10::IntArrayRef(e.shape), "; the model (", dir, "/config.json) expects ",
+                   c10::IntArrayRef(expected));
+    MEMTRAIN_CHECK(c10::isFloatingType(e.dtype), DataError, "[weights] ", it->second.file->path, ": tensor '", hf.name,
+                   "' is ", e.dtype, ", not a floating-point weight");
+    fills.push_back({p, it->second, hf.transposed});
+    used.insert(hf.name);
+  }
+  // 3. Every tensor of the checkpoint is used (or is a known non-parameter).
+  for (const auto& [name, loc] : where) {
+    if (used.count(name) || is_buffer(name)) continue;
+    if (name == "lm_head.weight" && is_tied(model)) continue;  // the tied head, stored besides the embedding
+    throw DataError(detail::concat("[weights] ", loc.file->path, ": unexpected tensor '", name,
+                                   "': the model (", dir, "/config.json) has no parameter of that name"));
+  }
+
+  // 4. Copy, one tensor at a time.
+  HuggingFaceLoad out;
+  torch::NoGradGuard no_grad;
+  for (auto& f : fills) {
+    const auto& e = *f.from.entry;
+    auto t = read_safetensors_elements(*f.from.file, e, 0, static_cast<int64_t>((e.end - e.begin) / c10::elementSize(e.dtype)))
+                 .view(e.shape);
+    f.parameter.copy_(f.transposed ? t.t() : t);
+    out.bytes_read += static_cast<int64_t>(e.end - e.begin);
+    ++out.tensors;
+  }
+  out.files = static_cast<int64_t>(files.size());
+  return out;
+}
+
+namespace {
+std::string torch_dtype_name(c10::ScalarType t) {
+  if (t == torch::kFloat) return "float32";
+  if (t == torch::kBFloat16) return "bfloat16";
+  if (t == torch::kHalf) return "float16";
+  throw ConfigError(detail::concat("[export] weights in ", t, ": expected float32, bfloat16 or float16"));
+}
+}  // namespace
+
+std::vector<std::string> save_hugging_face(const std::string& dir, const ModelConfig& config,
+                                           const std::map<std::string, torch::Tensor>& parameters,
+                                           const HuggingFaceSaveOptions& options) {
+  std::error_code ec;
+  MEMTRAIN_CHECK(!fs::exists(dir, ec), ConfigError, "[export] ", dir,
+                 " already exists: an export never overwrites a folder; choose a new one or remove it");
+  MEMTRAIN_CHECK(config.name != "gpt" || config.bias, ConfigError,
+                 "[export] GPT-2's layout has biases in every Linear; this GPT has model.bias = false");
+  const auto config_json = hugging_face_config_json(config, torch_dtype_name(options.dtype));
+  // The tensors by checkpoint name (save_pretrained's files hold them sorted), and the shards: a new one
+  // whenever the next tensor would take the current one past max_shard_bytes.
+  std::map<std::string, std::pair<torch::Tensor, bool>> named;  // hf name -> (memtrain's tensor, transposed)
+  for (const auto& [name, t] : parameters) {
+    auto hf = hugging_face_name(config.name, name);
+    named.emplace(hf.name, std::make_pair(t, hf.transposed));
+  }
+  std::vector<std::vector<std::string>> shards(1);
+  int64_t in_shard = 0, total = 0;
+  for (const auto& [name, entry] : named) {
+    const int64_t bytes = entry.first.numel() * static_cast<int64_t>(c10::elementSize(options.dtype));
+    if (in_shard > 0 && in_shard + bytes > options.max_shard_bytes) shards.emplace_back(), in_shard = 0;
+    shards.back().push_back(name);
+    in_shard += bytes, total += bytes;
+  }
+  const auto partial = dir + ".partial";
+  fs::remove_all(partial, ec);
+  fs::create_directories(partial);
+  std::vector<std::string> written;
+  nlohmann::json weight_map = nlohmann::json::object();
+  for (size_t k = 0; k < shards.size(); ++k) {
+    char file[64];
+    if (shards.size() == 1) std::snprintf(file, sizeof file, "model.safetensors");
+    else std::snprintf(file, sizeof file, "model-%05zu-of-%05zu.safetensors", k + 1, shards.size());
+    std::map<std::string, torch::Tensor> tensors;  // this shard's, converted: one shard in memory at a time
+    for (const auto& name : shards[k]) {
+      const auto& [t, transposed] = named.at(name);
+      auto stored = t.detach().to(torch::kCPU).to(options.dtype);
+      tensors.emplace(name, transposed ? stored.t().contiguous() : stored.contiguous());
+      weight_map[name] = file;
+    }
+    save_safetensors((fs::path(partial) / file).string(), tensors, {{"format", "pt"}});
+    written.push_back((fs::path(dir) / file).string());
+  }
+  if (shards.size() > 1) {
+    nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+    write_file_atomically((fs::path(partial) / "model.safetensors.index.json").string(), index.dump(2) + "\n");
+    written.push_back((fs::path(dir) / "model.safetensors.index.json").string());
+  }
+  write_file_atomically((fs::path(partial) / "config.json").string(), config_json);
+  written.push_back((fs::path(dir) / "config.json").string());
+  fs::rename(partial, dir);
+  return written;
+}
+
+}  // namespace memtrain

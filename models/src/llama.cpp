@@ -1,0 +1,248 @@
+#include "memtrain/models/llama.h"
+
+#include <ATen/autocast_mode.h>
+#include <torch/nn/init.h>
+
+#include <cmath>
+#include <numbers>
+#include <sstream>
+
+#include "memtrain/core/error.h"
+
+namespace memtrain {
+
+namespace {
+struct Preset {
+  const char* name;
+  int64_t vocab, hidden, ffn, layers, heads, kv_heads;
+  double theta, eps;
+  bool tied, qkv_bias;
+  double llama3_factor;  // 0: no rope scaling
+};
+// The published config.json of each (meta-llama/Llama-3.2-1B, -3.2-3B, -3.1-8B; Qwen/Qwen2.5-0.5B, -7B;
+// mistralai/Mistral-7B-v0.1). Llama 3.x scale rope with llama3 (low 1, high 4, original 8192).
+constexpr Preset kPresets[] = {
+    {"llama-3.2-1b", 128256, 2048, 8192, 16, 32, 8, 500000.0, 1e-5, true, false, 32.0},
+    {"llama-3.2-3b", 128256, 3072, 8192, 28, 24, 8, 500000.0, 1e-5, true, false, 32.0},
+    {"llama-3.1-8b", 128256, 4096, 14336, 32, 32, 8, 500000.0, 1e-5, false, false, 8.0},
+    {"qwen2.5-0.5b", 151936, 896, 4864, 24, 14, 2, 1000000.0, 1e-6, true, true, 0.0},
+    {"qwen2.5-7b", 152064, 3584, 18944, 28, 28, 4, 1000000.0, 1e-6, false, true, 0.0},
+    {"mistral-7b", 32000, 4096, 14336, 32, 32, 8, 10000.0, 1e-5, false, false, 0.0},
+};
+}  // namespace
+
+std::string LlamaOptions::preset_names() {
+  std::string out;
+  for (const auto& p : kPresets) out.append(out.empty() ? "" : " | ").append(p.name);
+  return out;
+}
+
+LlamaOptions LlamaOptions::preset(const std::string& name) {
+  for (const auto& p : kPresets) {
+    if (name != p.name) continue;
+    LlamaOptions o;
+    o.vocab_size = p.vocab, o.n_embd = p.hidden, o.ffn_hidden = p.ffn, o.n_layer = p.layers;
+    o.n_head = p.heads, o.n_kv_head = p.kv_heads, o.rope_theta = p.theta, o.norm_eps = p.eps;
+    o.tie_embeddings = p.tied, o.qkv_bias = p.qkv_bias;
+    if (p.llama3_factor > 0) o.rope_scaling = {.type = "llama3", .factor = p.llama3_factor};
+    return o;
+  }
+  throw Error("[model] unknown Llama preset '" + name + "'; expected " + preset_names());
+}
+
+int64_t LlamaOptions::parameter_count() const {
+  const int64_t C = n_embd, kv = n_kv_head * head_dim(), q = n_head * head_dim(), F = ffn_hidden;
+  const int64_t attn = C * q + 2 * C * kv + q * C + (qkv_bias ? q + 2 * kv : 0) + (out_bias ? C : 0);
+  const int64_t mlp = 3 * C * F + (mlp_bias ? 2 * F + C : 0);
+  return vocab_size * C * (tie_embeddings ? 1 : 2) + n_layer * (attn + mlp + 2 * C) + C;
+}
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps_) : eps(eps_) {
+  weight = register_parameter("weight", torch::ones({dim}));
+}
+
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  // As transformers' LlamaRMSNorm: normalised in fp32, cast back to the input's dtype, then scaled.
+  auto x32 = x.to(torch::kFloat);
+  auto normed = x32 * torch::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return weight * normed.to(x.scalar_type());
+}
+
+LlamaAttentionImpl::LlamaAttentionImpl(const LlamaOptions& o)
+    : n_head(o.n_head), n_kv_head(o.n_kv_head), head_dim(o.head_dim()) {
+  auto linear = [](int64_t in, int64_t out, bool bias) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias)); };
+  q_proj = register_module("q_proj", linear(o.n_embd, n_head * head_dim, o.qkv_bias));
+  k_proj = register_module("k_proj", linear(o.n_embd, n_kv_head * head_dim, o.qkv_bias));
+  v_proj = register_module("v_proj", linear(o.n_embd, n_kv_head * head_dim, o.qkv_bias));
+  o_proj = register_module("o_proj", linear(n_head * head_dim, o.n_embd, o.out_bias));
+}
+
+namespace {
+// (B, H, T, hd): x cos + rotate_half(x) sin, rotate_half(x) = [-x2, x1] for the halves x1, x2 of hd.
+torch::Tensor apply_rotary(const torch::Tensor& x, const RotaryTables& rope) {
+  const auto half = x.size(-1) / 2;
+  auto rotated = torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+  return x * rope.cos + rotated * rope.sin;
+}
+}  // namespace
+
+torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const RotaryTables& rope) {
+  const auto B = x.size(0), T = x.size(1);
+  auto heads = [&](const torch::Tensor& t, int64_t n) { return t.view({B, T, n, head_dim}).transpose(1, 2); };
+  auto q = apply_rotary(heads(detail::linear(x, q_proj->weight, q_proj->bias), n_head), rope);     // (B, nh, T, hd)
+  auto k = apply_rotary(heads(detail::linear(x, k_proj->weight, k_proj->bias), n_kv_head), rope);  // (B, nkv, T, hd)
+  auto v = heads(detail::linear(x, v_proj->weight, v_proj->bias), n_kv_head);
+  auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
+                                            /*scale=*/std::nullopt, /*enable_gqa=*/n_kv_head != n_head);
+  y = y.transpose(1, 2).reshape({B, T, n_head * head_dim});
+  return detail::linear(y, o_proj->weight, o_proj->bias);
+}
+
+LlamaMLPImpl::LlamaMLPImpl(const LlamaOptions& o) {
+  auto linear = [&](int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(o.mlp_bias)); };
+  gate_proj = register_module("gate_proj", linear(o.n_embd, o.ffn_hidden));
+  up_proj = register_module("up_proj", linear(o.n_embd, o.ffn_hidden));
+  down_proj = register_module("down_proj", linear(o.ffn_hidden, o.n_embd));
+}
+
+torch::Tensor LlamaMLPImpl::forward(const torch::Tensor& x) {
+  auto gate = torch::silu(detail::linear(x, gate_proj->weight, gate_proj->bias));
+  return detail::linear(gate * detail::linear(x, up_proj->weight, up_proj->bias), down_proj->weight, down_proj->bias);
+}
+
+LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaOptions& o) {
+  input_layernorm = register_module("input_layernorm", RMSNorm(o.n_embd, o.norm_eps));
+  self_attn = register_module("self_attn", LlamaAttention(o));
+  post_attention_layernorm = register_module("post_attention_layernorm", RMSNorm(o.n_embd, o.norm_eps));
+  mlp = register_module("mlp", LlamaMLP(o));
+}
+
+LlamaBodyImpl::LlamaBodyImpl(const LlamaOptions& o) {
+  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(o.vocab_size, o.n_embd));
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < o.n_layer; ++i) {
+    blocks.push_back(LlamaDecoderLayer(o));
+    layers->push_back(blocks.back());
+  }
+  norm = register_module("norm", RMSNorm(o.n_embd, o.norm_eps));
+}
+
+Llama::Llama(const LlamaOptions& options) : options_(options) {
+  const auto& o = options_;
+  MEMTRAIN_CHECK(o.n_embd % o.n_head == 0, Error, "[model] n_embd ", o.n_embd, " is not a multiple of n_head ", o.n_head);
+  MEMTRAIN_CHECK(o.head_dim() % 2 == 0, Error, "[model] the head width ", o.head_dim(), " must be even for rotary embeddings");
+  MEMTRAIN_CHECK(o.n_kv_head >= 1 && o.n_head % o.n_kv_head == 0, Error, "[model] n_head ", o.n_head,
+                 " is not a multiple of n_kv_head ", o.n_kv_head);
+  MEMTRAIN_CHECK(o.vocab_size > 0 && o.ffn_hidden > 0, Error, "[model] vocab_size ", o.vocab_size, " and ffn_hidden ",
+                 o.ffn_hidden, " must be > 0");
+  MEMTRAIN_CHECK(o.rope_scaling.type == "none" || o.rope_scaling.type == "llama3", Error,
+                 "[model] rope scaling '", o.rope_scaling.type, "' is not implemented; expected none | llama3");
+  model = register_module("model", LlamaBody(o));
+  if (!o.tie_embeddings)
+    lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(o.n_embd, o.vocab_size).bias(false)));
+
+  // transformers' LlamaPreTrainedModel._init_weights: N(0, initializer_range = 0.02) for every Linear and
+  // the embedding, zero biases, RMSNorm weights one.
+  torch::NoGradGuard no_grad;
+  for (auto& item : named_parameters()) {
+    auto& p = item.value();
+    if (item.key().find("norm") != std::string::npos) continue;
+    if (item.key().ends_with(".bias")) p.zero_();
+    else p.normal_(0.0, 0.02);
+  }
+}
+
+torch::Tensor Llama::inverse_frequencies() const {
+  const auto& o = options_;
+  const int64_t d = o.head_dim();
+  auto exponents = torch::arange(0, d, 2, torch::kLong).to(torch::kFloat) / static_cast<double>(d);
+  auto inv_freq = 1.0 / torch::pow(o.rope_theta, exponents);  // fp32, as transformers computes it
+  if (o.rope_scaling.type != "llama3") return inv_freq;
+  const auto& s = o.rope_scaling;
+  const double original = static_cast<double>(s.original_max_position);
+  const double low_wavelen = original / s.low_freq_factor, high_wavelen = original / s.high_freq_factor;
+  auto wavelen = 2 * std::numbers::pi / inv_freq;
+  auto scaled = torch::where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq);
+  auto smooth = (original / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+  auto smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled;
+  auto medium = (wavelen >= high_wavelen).logical_and(wavelen <= low_wavelen);
+  return torch::where(medium, smoothed, scaled);
+}
+
+const RotaryTables& Llama::rotary(int64_t T, const c10::Device& device) {
+  if (rope_len_ != T || rope_device_ != device) {
+    torch::NoGradGuard no_grad;
+    auto positions = torch::arange(T, torch::kLong).to(torch::kFloat);
+    auto freqs = torch::outer(positions, inverse_frequencies());  // (T, hd/2): one product each, as HF's matmul
+    auto emb = torch::cat({freqs, freqs}, -1);                    // (T, hd)
+    rope_ = {emb.cos().to(device), emb.sin().to(device)};
+    rope_len_ = T, rope_device_ = device;
+  }
+  return rope_;
+}
+
+torch::Tensor Llama::embed(const torch::Tensor& idx) {
+  const auto T = idx.size(1);
+  MEMTRAIN_CHECK(T <= options_.block_size, Error, "[model] sequence of ", T, " tokens is longer than block_size ",
+                 options_.block_size);
+  rotary(T, idx.device());
+  return model->embed_tokens->forward(idx);
+}
+
+torch::Tensor Llama::block_part(int64_t i, size_t part, const torch::Tensor& h) {
+  auto& layer = model->blocks[i];
+  if (part == 0) {
+    // The tables in the activations' dtype: under bf16 they are what the products round to anyway.
+    const auto& r = rotary(h.size(1), h.device());
+    RotaryTables rope = r;
+    auto x = layer->input_layernorm->forward(h);
+    const auto dtype = at::autocast::is_autocast_enabled(h.device().type())
+                           ? at::autocast::get_autocast_dtype(h.device().type())
+                           : x.scalar_type();
+    if (dtype != torch::kFloat) rope = {r.cos.to(dtype), r.sin.to(dtype)};
+    return h + layer->self_attn->forward(x, rope);
+  }
+  return h + layer->mlp->forward(layer->post_attention_layernorm->forward(h));
+}
+
+std::vector<torch::Tensor> Llama::block_parameters(int64_t i) const { return model->blocks[i]->parameters(); }
+
+std::optional<std::pair<torch::Tensor, torch::Tensor>> Llama::head_features(const torch::Tensor& h) {
+  return std::make_pair(model->norm->forward(h), options_.tie_embeddings ? model->embed_tokens->weight : lm_head->weight);
+}
+
+torch::Tensor Llama::head(const torch::Tensor& h) {
+  auto [features, weight] = *head_features(h);
+  return detail::linear(features, weight);
+}
+
+double Llama::train_flops_per_token() const {
+  const auto& o = options_;
+  const double lookup = o.tie_embeddings ? 0.0 : static_cast<double>(o.vocab_size * o.n_embd);
+  const double n = static_cast<double>(num_parameters()) - lookup;
+  return 6.0 * n + 12.0 * o.n_layer * o.n_head * o.head_dim() * o.block_size;
+}
+
+double Llama::train_flops_per_sample() const { return train_flops_per_token() * options_.block_size; }
+
+double Llama::block_activation_bytes(int64_t micro_batch, int64_t bytes_per_element) const {
+  // Korthikanti et al.'s accounting (section 4.1) for this layer, with 16-bit activations and a fused
+  // attention (SDPA keeps no s x s scores): per token, the two norms' inputs and outputs 4h, q and the
+  // attention output 2h, k and v 2 h_kv, the MLP's gate, silu(gate), up and their product 4F; x2 bytes.
+  const auto& o = options_;
+  const double s = static_cast<double>(o.block_size), b = static_cast<double>(micro_batch);
+  const double h = static_cast<double>(o.n_embd), hkv = static_cast<double>(o.n_kv_head * o.head_dim());
+  const double f = static_cast<double>(o.ffn_hidden);
+  return s * b * (2 * (4 * h + 2 * h + 2 * hkv + 4 * f)) * static_cast<double>(bytes_per_element) / 2;
+}
+
+std::string Llama::describe() const {
+  const auto& o = options_;
+  std::ostringstream os;
+  os << "Llama " << o.n_layer << " layers x " << o.n_embd << " wide, " << o.n_head << " heads (" << o.n_kv_head
+     << " kv), MLP " << o.ffn_hidden << ", context " << o.block_size << ", vocab " << o.vocab_size
+     << (o.tie_embeddings ? ", tied head" : "") << ", " << num_parameters() << " parameters";
+  return os.str();
+}
+
+}  // namespace memtrain

@@ -1,0 +1,98 @@
+#include "memtrain/runtime/export.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <sstream>
+
+#include "memtrain/core/error.h"
+#include "memtrain/core/files.h"
+#include "memtrain/core/state_checkpoint.h"
+#include "memtrain/models/gpt.h"
+#include "memtrain/models/hugging_face.h"
+#include "memtrain/runtime/factories.h"
+
+namespace memtrain {
+
+namespace fs = std::filesystem;
+
+ModelConfig resolved_model_config(const ModelConfig& c, int64_t vocab) {
+  ModelConfig m = c;
+  m.preset = "custom";
+  if (c.name == "gpt") {
+    GPTOptions o = c.preset == "custom" ? GPTOptions{} : GPTOptions::preset(c.preset);
+    if (c.preset == "custom") o.n_layer = c.n_layer, o.n_head = c.n_head, o.n_embd = c.n_embd, o.block_size = c.block_size;
+    m.n_layer = o.n_layer, m.n_head = o.n_head, m.n_embd = o.n_embd, m.block_size = o.block_size;
+    m.vocab_size = vocab;
+  } else if (c.name == "llama") {
+    const auto o = llama_options(c, vocab);
+    m.n_layer = o.n_layer, m.n_head = o.n_head, m.n_embd = o.n_embd, m.n_kv_head = o.n_kv_head;
+    m.ffn_hidden = o.ffn_hidden, m.vocab_size = o.vocab_size, m.rope_theta = o.rope_theta, m.norm_eps = o.norm_eps;
+    m.tie_embeddings = o.tie_embeddings, m.attn_bias = o.out_bias ? "all" : o.qkv_bias ? "qkv" : "none";
+    const auto& r = o.rope_scaling;
+    m.rope_scaling = r.type == "llama3" ? detail::concat("llama3:", format_shortest(r.factor), ":",
+                                                         format_shortest(r.low_freq_factor), ":",
+                                                         format_shortest(r.high_freq_factor), ":", r.original_max_position)
+                                        : "none";
+    if (c.preset != "custom" && m.max_positions == 0) m.max_positions = 131072;  // the presets' published context
+  }
+  return m;
+}
+
+ExportResult export_hugging_face(const ExportOptions& options) {
+  std::error_code ec;
+  std::string path = options.checkpoint;
+  if (!fs::exists(fs::path(path) / "manifest.json", ec)) {
+    path = find_latest_checkpoint(options.checkpoint);
+    MEMTRAIN_CHECK(!path.empty(), DataError, "[export] --checkpoint ", options.checkpoint,
+                   ": neither a checkpoint (step-N/ with manifest.json) nor a folder holding one");
+  }
+  MEMTRAIN_CHECK(!fs::exists(options.out, ec), ConfigError, "[export] --out ", options.out,
+                 " already exists: an export never overwrites a folder; choose a new one or remove it");
+  const auto ck = load_checkpoint(path);  // every file's checksum and every tensor's pieces checked
+  auto field = ck.meta.fields.find("config");
+  MEMTRAIN_CHECK(field != ck.meta.fields.end(), DataError, "[export] ", path, ": the manifest holds no config");
+  // The run's config, as saved (its model keys already resolved from init_from's config.json).
+  const auto ini = (fs::temp_directory_path() / ("memtrain-export-" + std::to_string(::getpid()) + ".ini")).string();
+  // Without init_from: the model keys it resolved are in the saved config, and the folder may be gone.
+  std::istringstream lines(field->second);
+  std::string text;
+  for (std::string line; std::getline(lines, line);)
+    if (!line.starts_with("init_from")) text += line + "\n";
+  write_file_atomically(ini, text);
+  Config config;
+  try {
+    config = Config::load(ini);
+  } catch (...) {
+    fs::remove(ini, ec);
+    throw;
+  }
+  fs::remove(ini, ec);
+  const auto init_from = Config::ini_values(field->second)["model.init_from"];
+
+  std::map<std::string, torch::Tensor> parameters;
+  ExportResult out;
+  for (const auto& [name, t] : ck.tensors) {
+    if (!name.starts_with("model/")) continue;
+    parameters.emplace(name.substr(6), t);
+    out.parameters += t.numel();
+  }
+  const char* embedding = config.model.name == "gpt" ? "wte.weight" : "model.embed_tokens.weight";
+  MEMTRAIN_CHECK(parameters.count(embedding), DataError, "[export] ", path, ": no parameter '", embedding,
+                 "': a checkpoint of model.name = ", config.model.name, " without its embedding");
+  const auto model = resolved_model_config(config.model, parameters.at(embedding).size(0));
+  out.files = save_hugging_face(options.out, model, parameters, {.dtype = options.dtype, .max_shard_bytes = options.max_shard_bytes});
+  // The tokenizer of the folder the run started from, so that the export is a whole model folder.
+  if (!init_from.empty())
+    for (const char* f : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                          "vocab.json", "merges.txt", "tokenizer.model"})
+      if (fs::is_regular_file(fs::path(init_from) / f, ec)) {
+        fs::copy_file(fs::path(init_from) / f, fs::path(options.out) / f, ec);
+        if (!ec) out.files.push_back((fs::path(options.out) / f).string());
+      }
+  out.checkpoint = path;
+  out.step = ck.meta.step;
+  return out;
+}
+
+}  // namespace memtrain
