@@ -483,6 +483,9 @@ Config Config::load(const std::string& path, const std::vector<std::string>& raw
                      theirs[i].show(), ": remove ", key, " (the folder's model_type ", hf.model_type, " sets it)");
     }
     c.model = hf.config;
+    // The default context, when it is more than the model was made for (a tiny test model), is the model's.
+    if (!given("model.block_size") && c.model.max_positions > 0 && c.model.block_size > c.model.max_positions)
+      c.model.block_size = c.model.max_positions;
   }
 
   try {
@@ -497,16 +500,18 @@ Config Config::load(const std::string& path, const std::vector<std::string>& raw
 
   // A preset fixes the shape: a shape key beside it would be silently ignored.
   for (const auto& key : preset_fixed_keys(c.model)) {
-    MEMTRAIN_CHECK(!given(key), ConfigError, "[config] model.preset = ", c.model.preset, " (", origin("model.preset"),
-                   ") fixes the model's shape, but ", key, " is also given (", origin(key), "): remove ", key,
-                   " or set model.preset = custom");
+    if (!given(key)) continue;
+    const auto e = std::find_if(all.begin(), all.end(), [&](const Entry& x) { return x.key == key; });
+    throw ConfigError(detail::concat("[config] model.preset = ", c.model.preset, " (", origin("model.preset"),
+                                     ") fixes the model's shape, but ", key, " = ", e->show(), " is also given (",
+                                     origin(key), "): remove ", key, " or set model.preset = custom"));
   }
 
   // Settings that do nothing in this combination: one line each.
   auto warn = [&](const std::string& text) { c.warnings.push_back("[config] " + text); };
   for (const auto& e : all) {
     if (!applies_to(e, c.model.name) && given(e.key))
-      warn(detail::concat(e.key, " (", origin(e.key), ") is a ", e.group, " key; model.name = ", c.model.name,
+      warn(detail::concat(e.key, " (", origin(e.key), ") is a ", group_names(e.group), " key; model.name = ", c.model.name,
                           " ignores it"));
   }
   if (c.memory.offload && c.memory.recompute == "none")

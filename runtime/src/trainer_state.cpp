@@ -238,7 +238,10 @@ void Trainer::load_checkpoint(const std::string& path) {
     for (char c : plan) policy_.blocks.push_back(c == '1');
   }
   step_ = ck.meta.step;
-  last_saved_step_ = step_;
+  // Saved already when it came from this run's own checkpoint folder; taken up from another (a checkpoint
+  // resharded into a new run), the final save still writes it here, so the run's folder holds its state.
+  std::error_code ec;
+  last_saved_step_ = fs::equivalent(fs::path(path).parent_path(), ckpt_dir_, ec) ? step_ : -1;
   // An out-of-memory split and a run of skipped steps continue as they were (bit-exact resume).
   auto count = [&](const char* key) { return field(key).empty() ? int64_t{0} : std::stoll(field(key)); };
   split_ = std::max<int64_t>(1, count("micro_batch_split"));

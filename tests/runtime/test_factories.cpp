@@ -15,7 +15,11 @@ TEST(Factories, EveryModelNameIsBuilt) {
   // 12 C^2 + 13 C, the tied token embedding V C, positions T C and the final LayerNorm 2 C; the MLP
   // (784 -> 8 -> 10) 784 x 8 + 8 and 8 x 10 + 10. ResNet's count has no short formula: its output shape is checked.
   const std::map<std::string, int64_t> parameters = {{"gpt", 12 * 16 * 16 + 13 * 16 + 256 * 16 + 8 * 16 + 2 * 16},
-                                                     {"mlp", 784 * 8 + 8 + 8 * 10 + 10}};
+                                                     {"mlp", 784 * 8 + 8 + 8 * 10 + 10},
+                                                     // Llama (L = 1, C = 16, kv heads = heads, MLP 8/3 C rounded up to
+                                                     // 64): q k v o 4 C^2, SwiGLU 3 C 64, two norms 2 C, untied
+                                                     // embedding and head 2 V C, final norm C.
+                                                     {"llama", 4 * 16 * 16 + 3 * 16 * 64 + 2 * 16 + 2 * 256 * 16 + 16}};
   for (auto name : choices::model_name) {
     SCOPED_TRACE(std::string(name));
     ModelConfig m;
@@ -29,7 +33,7 @@ TEST(Factories, EveryModelNameIsBuilt) {
     }
     // Logits over the vocabulary per token, or over the 10 classes per image.
     torch::NoGradGuard no_grad;
-    if (name == "gpt") {
+    if (name == "gpt" || name == "llama") {
       EXPECT_EQ(model->forward(torch::zeros({2, 8}, torch::kLong)).sizes(), (std::vector<int64_t>{2, 8, 256}));
     } else {
       EXPECT_EQ(model->forward(torch::zeros({2, 1, 28, 28})).sizes(), (std::vector<int64_t>{2, 10}));

@@ -1,0 +1,52 @@
+"""What transformers computes with a model folder, for the memtrain tests to compare against.
+
+    python hf_check.py logits FOLDER TENSORS.safetensors
+        from_pretrained(FOLDER) on TENSORS' `input`; prints `max_abs_diff D max_abs_ref R` against TENSORS' `logits`
+    python hf_check.py val_loss FOLDER TOKENS T COUNT
+        the mean cross-entropy over windows i = 0..COUNT-1 of a headerless uint16 token file: input
+        tokens[iT : iT+T], target tokens[iT+1 : iT+T+1] (memtrain's validation windows); prints `val_loss L`
+    python hf_check.py generate FOLDER N
+        greedy-decodes N tokens after token 0 with transformers' generate(); prints `ids ...`
+"""
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+
+def load(folder):
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def main():
+    torch.set_num_threads(1)
+    what, folder = sys.argv[1], sys.argv[2]
+    model = load(folder)
+    with torch.no_grad():
+        if what == "logits":
+            t = load_file(sys.argv[3])
+            logits = model(input_ids=t["input"].long()).logits
+            print("max_abs_diff %.9g max_abs_ref %.9g" % ((logits - t["logits"]).abs().max().item(), logits.abs().max().item()))
+        elif what == "val_loss":
+            tokens = torch.from_numpy(np.fromfile(sys.argv[3], dtype=np.uint16).astype(np.int64))
+            T, count = int(sys.argv[4]), int(sys.argv[5])
+            losses = []
+            for i in range(count):
+                w = tokens[i * T: i * T + T + 1]
+                logits = model(input_ids=w[:-1].unsqueeze(0)).logits
+                losses.append(F.cross_entropy(logits[0].float(), w[1:]).item())
+            print("val_loss %.9g" % (sum(losses) / len(losses)))
+        elif what == "generate":
+            out = model.generate(torch.zeros(1, 1, dtype=torch.long), max_new_tokens=int(sys.argv[3]), do_sample=False)
+            print("ids " + " ".join(str(i) for i in out[0].tolist()))
+        else:
+            raise SystemExit("unknown check " + what)
+
+
+if __name__ == "__main__":
+    main()

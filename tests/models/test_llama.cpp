@@ -1,0 +1,118 @@
+// The Llama-family decoder: shapes against the published parameter counts, and its blocks under the memory
+// techniques (recompute, the fused head, accumulation, ZeRO-3 on several processes) giving the same training.
+// Its numbers against transformers are in test_hugging_face.cpp.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <regex>
+
+#include "helpers.h"
+#include "memtrain/models/llama.h"
+#include "memtrain/runtime/factories.h"
+#include "memtrain/runtime/trainer.h"
+
+namespace memtrain {
+namespace {
+
+TEST(Llama, PresetsHaveThePublishedParameterCounts) {
+  // The model cards' counts (meta-llama/Llama-3.2-1B: 1.24B, -3.2-3B: 3.21B, -3.1-8B: 8.03B; Qwen/Qwen2.5-0.5B:
+  // 0.49B, -7B: 7.61B; mistralai/Mistral-7B-v0.1: 7.24B), to the parameter, as transformers counts them.
+  const std::map<std::string, int64_t> published = {
+      {"llama-3.2-1b", 1235814400}, {"llama-3.2-3b", 3212749824}, {"llama-3.1-8b", 8030261248},
+      {"qwen2.5-0.5b", 494032768},  {"qwen2.5-7b", 7615616512},   {"mistral-7b", 7241732096}};
+  for (auto name : choices::llama_preset) {
+    if (name == "custom") continue;
+    SCOPED_TRACE(std::string(name));
+    ASSERT_TRUE(published.count(std::string(name)));
+    EXPECT_EQ(LlamaOptions::preset(std::string(name)).parameter_count(), published.at(std::string(name)));
+  }
+}
+
+TEST(Llama, TheCountFormulaIsTheBuiltModels) {
+  // Every option that changes the count, built small.
+  for (int variant = 0; variant < 4; ++variant) {
+    LlamaOptions o;
+    o.vocab_size = 50, o.n_layer = 2, o.n_head = 4, o.n_embd = 32, o.ffn_hidden = 40;
+    o.n_kv_head = variant == 1 ? 1 : 2;
+    o.tie_embeddings = variant % 2 == 0;
+    o.qkv_bias = variant >= 2, o.out_bias = variant == 3, o.mlp_bias = variant == 3;
+    SCOPED_TRACE(variant);
+    Llama llama(o);
+    EXPECT_EQ(llama.num_parameters(), o.parameter_count());
+  }
+}
+
+TEST(Llama, AFlopCountByThePaLMFormula) {
+  // 6 N + 12 L C T per token, N without the input embedding when the head is untied: by hand for a tiny model.
+  LlamaOptions o;
+  o.vocab_size = 10, o.n_layer = 1, o.n_head = 2, o.n_kv_head = 1, o.n_embd = 4, o.ffn_hidden = 6, o.block_size = 8;
+  Llama llama(o);
+  const double n = 4 * 4 + 2 * 4 * 2 + 4 * 4 + 3 * 4 * 6 + 2 * 4 + 4 + 10 * 4;  // q, k v, o, mlp, norms, final, head
+  EXPECT_DOUBLE_EQ(llama.train_flops_per_token(), 6 * n + 12 * 1 * 4 * 8);
+}
+
+Config tiny_llama() {
+  auto c = test::tiny_gpt_config();
+  c.model.name = "llama";
+  c.model.n_head = 4;
+  c.model.n_kv_head = 2;
+  c.model.rope_scaling = "llama3:8:1:4:16";
+  c.data.dataset = "text";  // the Austen bytes: their batches split into micro-batches sample by sample
+  c.train.steps = 3;
+  c.train.micro_batch = 4;
+  c.checkpoint.save_final = false;
+  return c;
+}
+
+std::vector<double> losses(Config c) {
+  Trainer t(c, World{});
+  std::vector<double> out;
+  for (int s = 0; s < 3; ++s) out.push_back(t.step().loss.item<double>());
+  return out;
+}
+
+TEST(Llama, EveryMemoryTechniqueTrainsTheSame) {
+  const auto plain = losses(tiny_llama());
+  ASSERT_TRUE(plain[2] < plain[0]);
+  for (const auto& [what, set] : std::vector<std::pair<std::string, std::function<void(Config&)>>>{
+           {"recompute all", [](Config& c) { c.memory.recompute = "all"; }},
+           {"recompute attn", [](Config& c) { c.memory.recompute = "attn"; }},
+           {"fused head", [](Config& c) { c.memory.head = "fused:16"; }},
+           {"2 x 2 accumulation", [](Config& c) { c.train.micro_batch = 2, c.train.accum_steps = 2; }}}) {
+    SCOPED_TRACE(what);
+    auto c = tiny_llama();
+    set(c);
+    const auto got = losses(c);
+    for (size_t s = 0; s < got.size(); ++s) EXPECT_NEAR(got[s], plain[s], 2e-5 * plain[s]) << "step " << s + 1;
+  }
+}
+
+TEST(Llama, ZeroThreeOnTwoProcessesTrainsAsOne) {
+  // Llama's blocks are ZeRO-3's units as the GPT's: 2 ranks in stage 3 (global batch 8) against one process.
+  test::TempDir dir;
+  auto run = [&](int ranks, const std::string& name) {
+    const std::string cmd = (ranks > 1 ? test::binary("memtrain-run") + " --standalone --nproc-per-node 2 -- " : std::string()) +
+                            test::binary("memtrain") + " --model.name=llama --model.n_layer=2 --model.n_head=4"
+                            " --model.n_kv_head=2 --model.n_embd=32 --model.block_size=32 --train.steps=4 --train.warmup_steps=1"
+                            " --train.eval_every=0 --log.every=1 --log.progress=lines --checkpoint.save_final=false"
+                            " --memory.recompute=all --train.micro_batch=" + std::to_string(8 / ranks) +
+                            (ranks > 1 ? " --dist.zero_stage=3" : "") + " --log.dir=" + dir.path() + " --log.name=" + name;
+    int code = -1;
+    const auto out = test::shell(cmd + " 2>&1", &code);
+    EXPECT_EQ(code, 0) << out;
+    std::vector<double> l;
+    std::ifstream metrics(dir.path(name + "/metrics.jsonl"));
+    std::smatch m;
+    for (std::string line; std::getline(metrics, line);)
+      if (std::regex_search(line, m, std::regex("\"loss\":([^,}]+)"))) l.push_back(std::stod(m[1]));
+    return l;
+  };
+  const auto one = run(1, "one"), two = run(2, "two");
+  ASSERT_EQ(one.size(), 4u);
+  ASSERT_EQ(two.size(), 4u);
+  for (size_t s = 0; s < 4; ++s) EXPECT_NEAR(two[s], one[s], 1e-5 * one[s]) << "step " << s + 1;
+}
+
+}  // namespace
+}  // namespace memtrain
