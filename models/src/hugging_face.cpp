@@ -86,10 +86,28 @@ bool is_tied(Model& model) {
 
 }  // namespace
 
-HuggingFaceLoad load_hugging_face_weights(Model& model, const std::string& dir) {
-  const auto kind = model_kind(model);
-  // 1. Every file's header (no tensor data yet); which file holds which tensor.
+struct HuggingFaceWeights::Impl {
+  struct Fill {
+    Located from;
+    bool transposed = false;
+  };
   std::vector<SafetensorsIndex> files;
+  std::map<std::string, Fill> fills;  // by memtrain's parameter name
+  std::vector<std::pair<std::string, torch::Tensor>> parameters;
+  int64_t bytes_read = 0, total_bytes = 0;
+};
+
+HuggingFaceWeights::~HuggingFaceWeights() = default;
+const std::vector<std::pair<std::string, torch::Tensor>>& HuggingFaceWeights::parameters() const { return impl_->parameters; }
+int64_t HuggingFaceWeights::files() const { return static_cast<int64_t>(impl_->files.size()); }
+int64_t HuggingFaceWeights::bytes_read() const { return impl_->bytes_read; }
+int64_t HuggingFaceWeights::total_bytes() const { return impl_->total_bytes; }
+
+HuggingFaceWeights::HuggingFaceWeights(Model& model, const std::string& dir) : impl_(std::make_unique<Impl>()) {
+  const auto kind = model_kind(model);
+  auto& files = impl_->files;
+  // 1. Every file's header (no tensor data yet); which file holds which tensor. `files` is not resized after
+  // this: `where` points into it.
   for (const auto& path : hugging_face_weight_files(dir)) files.push_back(read_safetensors_index(path));
   std::map<std::string, Located> where;
   for (const auto& f : files)
@@ -101,13 +119,8 @@ HuggingFaceLoad load_hugging_face_weights(Model& model, const std::string& dir) 
   // GPT-2 checkpoints saved before `transformer.` was the prefix (openai-community/gpt2's own) name h.0...
   const bool bare_gpt2 = kind == "gpt" && !where.count("transformer.wte.weight") && where.count("wte.weight");
 
-  // 2. Each parameter's tensor, its shape and dtype checked.
-  struct Fill {
-    torch::Tensor parameter;
-    Located from;
-    bool transposed;
-  };
-  std::vector<Fill> fills;
+  // 2. Each parameter's tensor, its shape and dtype checked. (Under ZeRO-3 a parameter's storage may be
+  // released; its shape is still the full one.)
   std::set<std::string> used;
   std::set<const void*> seen;
   for (const auto& item : model.named_parameters()) {
@@ -126,7 +139,9 @@ HuggingFaceLoad load_hugging_face_weights(Model& model, const std::string& dir) 
                    c10::IntArrayRef(expected));
     MEMTRAIN_CHECK(c10::isFloatingType(e.dtype), DataError, "[weights] ", it->second.file->path, ": tensor '", hf.name,
                    "' is ", e.dtype, ", not a floating-point weight");
-    fills.push_back({p, it->second, hf.transposed});
+    impl_->fills[item.key()] = {it->second, hf.transposed};
+    impl_->parameters.emplace_back(item.key(), p);
+    impl_->total_bytes += static_cast<int64_t>(e.end - e.begin);
     used.insert(hf.name);
   }
   // 3. Every tensor of the checkpoint is used (or is a known non-parameter).
@@ -136,19 +151,32 @@ HuggingFaceLoad load_hugging_face_weights(Model& model, const std::string& dir) 
     throw DataError(detail::concat("[weights] ", loc.file->path, ": unexpected tensor '", name,
                                    "': the model (", dir, "/config.json) has no parameter of that name"));
   }
+}
 
-  // 4. Copy, one tensor at a time.
-  HuggingFaceLoad out;
+torch::Tensor HuggingFaceWeights::read(const std::string& name, int64_t begin, int64_t end) {
+  const auto& f = impl_->fills.at(name);
+  const auto& e = *f.from.entry;
+  const auto item = static_cast<int64_t>(c10::elementSize(e.dtype));
+  if (!f.transposed) {
+    impl_->bytes_read += (end - begin) * item;
+    return read_safetensors_elements(*f.from.file, e, begin, end);
+  }
+  const auto numel = static_cast<int64_t>(e.end - e.begin) / item;
+  impl_->bytes_read += numel * item;
+  auto whole = read_safetensors_elements(*f.from.file, e, 0, numel).view(e.shape);
+  return whole.t().contiguous().view({-1}).slice(0, begin, end);
+}
+
+HuggingFaceLoad load_hugging_face_weights(Model& model, const std::string& dir) {
+  HuggingFaceWeights weights(model, dir);  // every check first: nothing is copied unless all pass
   torch::NoGradGuard no_grad;
-  for (auto& f : fills) {
-    const auto& e = *f.from.entry;
-    auto t = read_safetensors_elements(*f.from.file, e, 0, static_cast<int64_t>((e.end - e.begin) / c10::elementSize(e.dtype)))
-                 .view(e.shape);
-    f.parameter.copy_(f.transposed ? t.t() : t);
-    out.bytes_read += static_cast<int64_t>(e.end - e.begin);
+  HuggingFaceLoad out;
+  for (const auto& [name, p] : weights.parameters()) {  // one tensor at a time
+    p.copy_(weights.read(name, 0, p.numel()).view(p.sizes()));
     ++out.tensors;
   }
-  out.files = static_cast<int64_t>(files.size());
+  out.files = weights.files();
+  out.bytes_read = weights.bytes_read();
   return out;
 }
 

@@ -61,16 +61,42 @@ Trainer::Trainer(const Config& config, const World& world) : config_(config), wo
   data_ = make_dataset(config_, {world_.rank, world_.world_size});
   torch::manual_seed(static_cast<uint64_t>(config_.train.seed));  // weights depend on the seed alone
   model_ = make_model(config_.model, data_->info());
-  if (!config_.model.init_from.empty()) {
-    // Before setup(): the bf16 cast, the fp32 masters and the ZeRO buckets all start from these weights.
+  // ZeRO-3 on several ranks (unless the planner may choose another stage): each rank reads only its own part
+  // of the weights, once its buckets exist; otherwise every rank reads them whole, before setup(), so the bf16
+  // cast, the fp32 masters and the buckets all start from them.
+  const auto& init_from = config_.model.init_from;
+  const bool by_shards = config_.dist.zero_stage == 3 && world_.world_size > 1 && parse_budget_mib(config_.memory.budget_mib) == 0;
+  if (!init_from.empty() && !by_shards) {
     const auto begin = std::chrono::steady_clock::now();
-    const auto loaded = load_hugging_face_weights(*model_, config_.model.init_from);
+    const auto loaded = load_hugging_face_weights(*model_, init_from);
     if (world_.is_main())
-      std::cout << "init_from:  " << config_.model.init_from << ": " << loaded.tensors << " tensors, "
-                << format_bytes(loaded.bytes_read) << " from " << loaded.files << (loaded.files == 1 ? " file" : " files")
-                << " in " << std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count() << " s\n";
+      std::cout << "init_from:  " << init_from << ": " << loaded.tensors << " tensors, " << format_bytes(loaded.bytes_read)
+                << " from " << loaded.files << (loaded.files == 1 ? " file" : " files") << " in "
+                << std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count() << " s\n";
   }
   setup();
+  if (!init_from.empty() && by_shards) load_init_from_shards();
+}
+
+void Trainer::load_init_from_shards() {
+  // Each segment this rank steps is its part of one parameter: elements [begin, end) of it, read at their
+  // offset in the file, into the stepped tensor (the fp32 master with bf16 parameters); the parameters' parts
+  // follow from those, as after loading a checkpoint.
+  const auto begin = std::chrono::steady_clock::now();
+  const int64_t resident = cpu_memory::current();
+  cpu_memory::reset_peak();
+  HuggingFaceWeights weights(*model_, config_.model.init_from);
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& seg : dp_->segments()) seg.stepped.copy_(weights.read(seg.name, seg.begin, seg.end));
+    dp_->parameters_from_stepped();
+  }
+  const int64_t added = cpu_memory::peak() - resident;
+  std::cout << "init_from:  " << config_.model.init_from << ": rank " << world_.rank << " read "
+            << format_bytes(weights.bytes_read()) << " of " << format_bytes(weights.total_bytes()) << " (its shard), host +"
+            << format_bytes(added) << " at most during the load (" << added << " bytes; read " << weights.bytes_read()
+            << " of " << weights.total_bytes() << "), in "
+            << std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count() << " s\n" << std::flush;
 }
 
 Trainer::Trainer(const Config& config, std::shared_ptr<Model> model, std::shared_ptr<Dataset> data, const World& world)

@@ -159,7 +159,7 @@ struct LlamaRun {
 
 double number_after(const std::string& text, const std::string& label) {
   std::smatch m;
-  if (!std::regex_search(text, m, std::regex(label + " ([-0-9.eE+]+)"))) return NAN;
+  if (!std::regex_search(text, m, std::regex(label + " ?([-0-9.eE+]+)"))) return NAN;
   return std::stod(m[1]);
 }
 
@@ -205,7 +205,7 @@ TEST(HuggingFace, AFourRankStageThreeCheckpointExportsTheSameBytesAsOneRank) {
   // process with nothing left to train, which saves the same state whole: both export to the same files.
   LlamaRun r;
   int code = -1;
-  const std::string common = " --train.micro_batch=1 --train.warmup_steps=1 --train.eval_every=0 --checkpoint.every=2 ";
+  const std::string common = " --train.micro_batch=1 --train.warmup_steps=1 --train.eval_every=0 --checkpoint.every=2 --log.every=1 ";
   auto out = test::shell(test::binary("memtrain-run") + " --standalone --nproc-per-node 4 -- " + test::binary("memtrain") +
                              " --model.init_from=" + hf("llama_gqa") + " --data.tokens=" + r.tokens + " --data.val_tokens=" + r.tokens +
                              " --data.token_format=raw"
@@ -214,6 +214,31 @@ TEST(HuggingFace, AFourRankStageThreeCheckpointExportsTheSameBytesAsOneRank) {
   ASSERT_EQ(code, 0) << out;
   const auto four = checkpoint_folder(r.dir.path("four/checkpoints"), 2);
   ASSERT_EQ(read_manifest(four).world_size, 4);
+  // Each rank read only its shard: the four reads add up to the model's bytes, each about a quarter, and what a
+  // rank's host memory grew by during its read is at most one tensor (the parts themselves exist already).
+  std::smatch m;
+  int64_t total = 0, sum = 0, ranks = 0;
+  const int64_t largest = 97 * 32 * 4;  // the untied head and the embedding, fp32: the largest tensors
+  for (auto it = out.cbegin(); std::regex_search(it, out.cend(), m, std::regex("host \\+\\S+ \\S+ at most during the load \\(([0-9]+) bytes; read ([0-9]+) of ([0-9]+)\\)")); it = m.suffix().first) {
+    const int64_t added = std::stoll(m[1]), read = std::stoll(m[2]);
+    total = std::stoll(m[3]);
+    EXPECT_LE(added, largest) << m[0];
+    EXPECT_LE(read, total / 4 + largest) << m[0];
+    sum += read, ++ranks;
+  }
+  EXPECT_EQ(ranks, 4) << out;
+  EXPECT_EQ(sum, total) << out;
+  // The weights each rank assembled from its reads are the file's: the first step's loss is one process's,
+  // which read them whole (the same global batch of 4).
+  out = r.memtrain("--train.steps=1 --log.name=whole" + common + " --train.micro_batch=4", &code);
+  ASSERT_EQ(code, 0) << out;
+  auto first_loss = [&](const std::string& run) {
+    std::ifstream metrics(r.dir.path(run + "/metrics.jsonl"));
+    std::string line;
+    std::getline(metrics, line);
+    return number_after(line, "\"loss\":");
+  };
+  EXPECT_NEAR(first_loss("four"), first_loss("whole"), 1e-5 * first_loss("whole"));
   out = r.memtrain("--train.steps=2 --log.name=one --checkpoint.resume=" + four + common, &code);
   ASSERT_EQ(code, 0) << out;
   out = test::shell(test::binary("memtrain") + " export --checkpoint " + four + " --out " + r.dir.path("x4") + " && " +

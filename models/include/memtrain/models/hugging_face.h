@@ -10,6 +10,7 @@
 #include <torch/types.h>
 
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,30 @@ std::vector<std::string> hugging_face_weight_files(const std::string& dir);
 // holds the model plus one tensor. A tied head's `lm_head.weight` (which some checkpoints store besides the
 // embedding) and buffers that are not parameters (GPT-2's attn.bias masks, rotary inv_freq) are skipped.
 HuggingFaceLoad load_hugging_face_weights(Model& model, const std::string& dir);
+
+// The same checks, with the data read on request: what ZeRO-3 uses to read only each rank's part.
+//
+//   HuggingFaceWeights w(model, dir);                       // headers read, every tensor matched and checked
+//   part.copy_(w.read("model.layers.0.mlp.up_proj.weight", begin, end));   // those elements' bytes only
+class HuggingFaceWeights {
+ public:
+  HuggingFaceWeights(Model& model, const std::string& dir);
+  ~HuggingFaceWeights();
+  HuggingFaceWeights(const HuggingFaceWeights&) = delete;
+  HuggingFaceWeights& operator=(const HuggingFaceWeights&) = delete;
+  // Elements [begin, end) of memtrain parameter `name`, flattened in memtrain's layout, in the stored dtype.
+  // Reads those bytes only, except for a transposed tensor (GPT-2's Conv1D), which is read whole.
+  torch::Tensor read(const std::string& name, int64_t begin, int64_t end);
+  // (parameter name, its tensor) for every parameter, a tied one once.
+  const std::vector<std::pair<std::string, torch::Tensor>>& parameters() const;
+  int64_t files() const;
+  int64_t bytes_read() const;   // so far
+  int64_t total_bytes() const;  // of every parameter's tensor in the files
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 struct HuggingFaceSaveOptions {
   c10::ScalarType dtype = torch::kFloat;           // the weights' stored dtype

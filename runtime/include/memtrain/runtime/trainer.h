@@ -173,6 +173,7 @@ class Trainer {
   void make_output_folders() const;                 // fit(): every folder it writes, probed before step 1
   bool agree(bool ok) { return agreement().all(ok); }
   bool stop_requested();                            // a stop signal on any rank (collective)
+  void load_init_from_shards();                     // model.init_from under ZeRO-3: this rank's part only
   // fit()'s pieces: a save (its line in the report), traced; the end of the run.
   std::string save_reported(RunReport& report);    // the checkpoint's folder
   void finish(RunReport& report);
