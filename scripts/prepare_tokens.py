@@ -2,6 +2,12 @@
 """Train byte-level BPE vocabularies on the prepared Austen corpus and write its token files, once.
 
   prepare_tokens.py DATA [VOCAB ...]        (default vocabularies: 8192 and 50257)
+  prepare_tokens.py --tokenizer DIR --input TEXT --out OUT [--val-fraction F]
+      tokenizes TEXT with a Hugging Face model folder's tokenizer.json (DIR/tokenizer.json, or a tokenizer.json
+      path) into OUT/train.bin and OUT/val.bin (the last F of the tokens, default 0.1): llm.c's format, uint16
+      tokens (version 1) when every id fits, else uint32 (version 2: Llama 3's and Qwen2's 128k-152k
+      vocabularies), the tokenizer's vocabulary in slot 3; tokenizer.json is copied beside them, for
+      --generate and scripts/sample.py. A document separator (the tokenizer's eos/bos, if any) is not added.
 
 For each vocabulary size V, DATA/tokens/austen-bpe<V>/ holds:
   tokenizer.json   Hugging Face `tokenizers` byte-level BPE (no normaliser; decoding gives back the bytes)
@@ -25,11 +31,12 @@ END_OF_TEXT = "<|endoftext|>"
 
 
 def write_llmc(path, tokens, vocab):
+    wide = vocab > 65536  # version 2: uint32 tokens
     header = np.zeros(256, dtype="<i4")
-    header[0], header[1], header[2], header[3] = MAGIC, VERSION, len(tokens), vocab
+    header[0], header[1], header[2], header[3] = MAGIC, 2 if wide else VERSION, len(tokens), vocab
     with open(path, "wb") as f:
         f.write(header.tobytes())
-        f.write(np.asarray(tokens, dtype="<u2").tobytes())
+        f.write(np.asarray(tokens, dtype="<u4" if wide else "<u2").tobytes())
 
 
 def train_tokenizer(corpus_path, vocab):
@@ -76,7 +83,40 @@ def prepare(data, vocab):
           f"{tok.get_vocab_size()} learned of {vocab}")
 
 
+def with_tokenizer(argv):
+    import argparse
+    ap = argparse.ArgumentParser(prog="prepare_tokens.py --tokenizer")
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--input", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--val-fraction", type=float, default=VAL_FRACTION)
+    a = ap.parse_args(argv)
+    path = os.path.join(a.tokenizer, "tokenizer.json") if os.path.isdir(a.tokenizer) else a.tokenizer
+    if not os.path.isfile(path):
+        sys.exit(f"prepare_tokens: no tokenizer.json at {path} (a Hugging Face model folder holds one)")
+    if not 0 <= a.val_fraction < 1:
+        sys.exit(f"prepare_tokens: --val-fraction {a.val_fraction} is not in [0, 1)")
+    tok = Tokenizer.from_file(path)
+    text = open(a.input, encoding="utf-8").read()
+    ids = tok.encode(text, add_special_tokens=False).ids
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    if ids and max(ids) >= vocab:
+        sys.exit(f"prepare_tokens: id {max(ids)} is outside the tokenizer's vocabulary of {vocab}")
+    n_val = int(len(ids) * a.val_fraction)
+    os.makedirs(a.out, exist_ok=True)
+    write_llmc(os.path.join(a.out, "train.bin.tmp"), ids[: len(ids) - n_val], vocab)
+    write_llmc(os.path.join(a.out, "val.bin.tmp"), ids[len(ids) - n_val:], vocab)
+    os.replace(os.path.join(a.out, "train.bin.tmp"), os.path.join(a.out, "train.bin"))
+    os.replace(os.path.join(a.out, "val.bin.tmp"), os.path.join(a.out, "val.bin"))
+    if os.path.abspath(path) != os.path.abspath(os.path.join(a.out, "tokenizer.json")):
+        shutil.copyfile(path, os.path.join(a.out, "tokenizer.json"))
+    print(f"tokenized {a.input} with {path}: {len(ids)} tokens ({len(ids) - n_val} train, {n_val} validation), "
+          f"vocabulary {vocab}, {'uint32' if vocab > 65536 else 'uint16'} ids, in {a.out}")
+
+
 def main():
+    if "--tokenizer" in sys.argv[1:]:
+        return with_tokenizer(sys.argv[1:])
     data = sys.argv[1]
     for v in [int(a) for a in sys.argv[2:]] or [8192, 50257]:
         prepare(data, v)

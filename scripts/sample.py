@@ -8,8 +8,9 @@ project venv's python (it has Hugging Face `tokenizers`):
       --weights runs/gpt_austen_bpe_cpu/checkpoints/model.safetensors --prompt "It is a truth" --tokens 200
 
 Extra arguments go to memtrain (--section.key=value overrides, as in training). The tokenizer is the one
-set-up trained for the config's data.tokens (a prepared set such as austen-bpe8192), or --tokenizer FILE.
-A byte-level run (no data.tokens) is decoded as bytes.
+set-up trained for the config's data.tokens (a prepared set such as austen-bpe8192, or the tokenizer.json
+beside a token file prepare_tokens.py --tokenizer wrote), the one of model.init_from's folder, or --tokenizer
+FILE or DIR (a Hugging Face folder). A byte-level run (no tokenizer anywhere) is decoded as bytes.
 """
 import argparse, os, re, subprocess, sys
 
@@ -41,9 +42,14 @@ def main():
     args, overrides = ap.parse_known_args()
     memtrain = os.path.join(args.build, "memtrain")
     tokens = config_value(memtrain, args.config, overrides, "data", "tokens")
+    init_from = config_value(memtrain, args.config, overrides, "model", "init_from")
+    if not args.tokenizer and not tokens and init_from and os.path.isfile(os.path.join(init_from, "tokenizer.json")):
+        args.tokenizer = init_from
     if tokens or args.tokenizer:
         from tokenizers import Tokenizer
         path = args.tokenizer
+        if os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
         if not path:
             if "/" in tokens or tokens.endswith(".bin"):
                 path = os.path.join(os.path.dirname(tokens), "tokenizer.json")

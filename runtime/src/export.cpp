@@ -8,6 +8,7 @@
 #include "memtrain/core/error.h"
 #include "memtrain/core/files.h"
 #include "memtrain/core/state_checkpoint.h"
+#include "memtrain/data/datasets.h"
 #include "memtrain/models/gpt.h"
 #include "memtrain/models/hugging_face.h"
 #include "memtrain/runtime/factories.h"
@@ -90,6 +91,23 @@ ExportResult export_hugging_face(const ExportOptions& options) {
         fs::copy_file(fs::path(init_from) / f, fs::path(options.out) / f, ec);
         if (!ec) out.files.push_back((fs::path(options.out) / f).string());
       }
+  // Or the tokenizer the run's token files were made with (a prepared set, or prepare_tokens.py --tokenizer's
+  // copy beside them), with the config transformers' AutoTokenizer needs to take it as it is.
+  const auto out_tokenizer = fs::path(options.out) / "tokenizer.json";
+  if (!fs::exists(out_tokenizer, ec) && !config.data.tokens.empty()) {
+    const auto& t = config.data.tokens;
+    const bool prepared = t.find('/') == std::string::npos && !fs::path(t).has_extension();
+    const auto beside = prepared ? fs::path(default_data_dir()) / "tokens" / t / "tokenizer.json"
+                                 : fs::path(t).parent_path() / "tokenizer.json";
+    if (fs::is_regular_file(beside, ec) && fs::copy_file(beside, out_tokenizer, ec)) {
+      out.files.push_back(out_tokenizer.string());
+      if (!fs::exists(fs::path(options.out) / "tokenizer_config.json", ec)) {
+        write_file_atomically((fs::path(options.out) / "tokenizer_config.json").string(),
+                              "{\n  \"tokenizer_class\": \"PreTrainedTokenizerFast\"\n}\n");
+        out.files.push_back((fs::path(options.out) / "tokenizer_config.json").string());
+      }
+    }
+  }
   out.checkpoint = path;
   out.step = ck.meta.step;
   return out;

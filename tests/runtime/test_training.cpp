@@ -159,7 +159,7 @@ void run_examples(bool cuda) {
     // A finite loss no higher than a uniform guess over the classes (ln V; a fresh model sits near it,
     // within 0.5 for the ResNet's BatchNorm start), for the first steps of every example.
     const auto info = t.data().info();
-    const double classes = c.model.name == "gpt" ? static_cast<double>(info.vocab_size) : static_cast<double>(info.num_classes);
+    const double classes = c.model.name == "gpt" || c.model.name == "llama" ? static_cast<double>(info.vocab_size) : static_cast<double>(info.num_classes);
     for (int i = 0; i < 2; ++i) {
       const double loss = t.step().loss.item<double>();
       EXPECT_TRUE(std::isfinite(loss)) << "step " << i + 1;
