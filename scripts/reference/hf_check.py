@@ -5,8 +5,9 @@
     python hf_check.py val_loss FOLDER TOKENS T COUNT
         the mean cross-entropy over windows i = 0..COUNT-1 of a headerless uint16 token file: input
         tokens[iT : iT+T], target tokens[iT+1 : iT+T+1] (memtrain's validation windows); prints `val_loss L`
-    python hf_check.py generate FOLDER N
-        greedy-decodes N tokens after token 0 with transformers' generate(); prints `ids ...`
+    python hf_check.py pipeline FOLDER PROMPT N
+        transformers' text-generation pipeline (the folder's own tokenizer), greedy, N new tokens; prints the text
+        after `text: `
 """
 import sys
 
@@ -41,9 +42,11 @@ def main():
                 logits = model(input_ids=w[:-1].unsqueeze(0)).logits
                 losses.append(F.cross_entropy(logits[0].float(), w[1:]).item())
             print("val_loss %.9g" % (sum(losses) / len(losses)))
-        elif what == "generate":
-            out = model.generate(torch.zeros(1, 1, dtype=torch.long), max_new_tokens=int(sys.argv[3]), do_sample=False)
-            print("ids " + " ".join(str(i) for i in out[0].tolist()))
+        elif what == "pipeline":
+            from transformers import pipeline
+            generate = pipeline("text-generation", model=folder)
+            out = generate(sys.argv[3], max_new_tokens=int(sys.argv[4]), do_sample=False)[0]["generated_text"]
+            print("text: " + out.replace("\n", " "))
         else:
             raise SystemExit("unknown check " + what)
 

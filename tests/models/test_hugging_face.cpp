@@ -5,11 +5,13 @@
 
 #include <filesystem>
 #include <fstream>
+#include <cstring>
 #include <regex>
 
 #include "helpers.h"
 #include "memtrain/core/config.h"
 #include "memtrain/core/cpu_memory.h"
+#include "memtrain/core/files.h"
 #include "memtrain/core/safetensors.h"
 #include "memtrain/core/state_checkpoint.h"
 #include "memtrain/models/hugging_face.h"
@@ -249,6 +251,55 @@ TEST(HuggingFace, AFourRankStageThreeCheckpointExportsTheSameBytesAsOneRank) {
   for (const char* f : {"model.safetensors", "config.json"}) {
     EXPECT_EQ(read_file_bytes(r.dir.path(std::string("x4/") + f)), read_file_bytes(r.dir.path(std::string("x1/") + f))) << f;
   }
+}
+
+TEST(HuggingFace, TheExampleExportsAModelTransformersGeneratesWith) {
+  // The README's path: the Llama example on the Austen BPE tokens (3 steps here), exported with the tokens'
+  // tokenizer, then transformers' text-generation pipeline reads the folder alone.
+  test::TempDir dir;
+  int code = -1;
+  auto out = test::shell(test::binary("memtrain") + " --config " + test::source("examples/configs/llama_austen_bpe_cpu.ini") +
+                             " --train.steps=3 --train.warmup_steps=1 --train.eval_every=0 --log.progress=lines --log.dir=" +
+                             dir.path() + " --log.name=ex 2>&1 && " + test::binary("memtrain") + " export --checkpoint " +
+                             dir.path("ex/checkpoints") + " --out " + dir.path("hf") + " --dtype bfloat16 2>&1",
+                         &code);
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_TRUE(std::filesystem::exists(dir.path("hf/tokenizer.json"))) << out;
+  const auto text = test::shell(std::string(MEMTRAIN_PYTHON) + " " + test::source("scripts/reference/hf_check.py") +
+                                " pipeline " + dir.path("hf") + " 'It is a truth' 8 2>&1");
+  EXPECT_NE(text.find("text: It is a truth"), std::string::npos) << text;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(text, m, std::regex("text: It is a truth(.+)"))) << text;
+  EXPECT_GE(m[1].length(), 4) << "no continuation: " << text;
+}
+
+TEST(HuggingFace, PrepareTokensWithAFolderTokenizerWritesWideIdsAsUint32) {
+  // A word-level tokenizer of 70,000 entries (w0 .. w69999): ids past 65,535 need llm.c's version 2 (uint32).
+  test::TempDir dir;
+  const std::string make = "from tokenizers import Tokenizer, models, pre_tokenizers\n"
+                           "t = Tokenizer(models.WordLevel({'w%d' % i: i for i in range(70000)}, unk_token='w0'))\n"
+                           "t.pre_tokenizer = pre_tokenizers.Whitespace()\n"
+                           "t.save('" + dir.path("tokenizer.json") + "')\n";
+  std::ofstream(dir.path("make.py")) << make;
+  std::ofstream(dir.path("corpus.txt")) << "w69999 w1 w65536 w7 w65535 w2 w3 w4 w5 w6";
+  int code = -1;
+  const auto out = test::shell(std::string(MEMTRAIN_PYTHON) + " " + dir.path("make.py") + " && " + MEMTRAIN_PYTHON + " " +
+                                   test::source("scripts/prepare_tokens.py") + " --tokenizer " + dir.path() + " --input " +
+                                   dir.path("corpus.txt") + " --out " + dir.path("tok") + " --val-fraction 0.2 2>&1",
+                               &code);
+  ASSERT_EQ(code, 0) << out;
+  const auto bytes = read_file_bytes(dir.path("tok/train.bin"));
+  ASSERT_EQ(bytes.size(), 1024u + 8 * 4) << out;  // 8 training tokens of 10, uint32
+  int32_t header[4];
+  std::memcpy(header, bytes.data(), sizeof header);
+  EXPECT_EQ(header[0], 20240520);
+  EXPECT_EQ(header[1], 2);  // uint32 tokens
+  EXPECT_EQ(header[2], 8);
+  EXPECT_EQ(header[3], 70000);
+  std::vector<uint32_t> ids(8);
+  std::memcpy(ids.data(), bytes.data() + 1024, 32);
+  EXPECT_EQ(ids, (std::vector<uint32_t>{69999, 1, 65536, 7, 65535, 2, 3, 4}));
+  EXPECT_TRUE(std::filesystem::exists(dir.path("tok/tokenizer.json")));
 }
 
 }  // namespace
