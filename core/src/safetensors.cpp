@@ -107,8 +107,11 @@ std::map<std::string, torch::Tensor> parse_safetensors(const std::string& bytes,
   const uint64_t data_len = file_size - 8 - header_len;
   nlohmann::json j;
   auto entries = parse_header(bytes.substr(8, header_len), data_len, path, j);
-  if (j.contains("__metadata__") && j["__metadata__"].contains("crc32")) {
-    auto expected = j["__metadata__"]["crc32"].get<std::string>();
+  if (j.contains("__metadata__") && j["__metadata__"].is_object() && j["__metadata__"].contains("crc32")) {
+    const auto& field = j["__metadata__"]["crc32"];
+    MEMTRAIN_CHECK(field.is_string(), DataError, "[safetensors] ", path, ": __metadata__.crc32 is ", field.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
+                   ", not a string");
+    auto expected = field.get<std::string>();
     auto actual = std::to_string(crc32_of(data, data_len));
     MEMTRAIN_CHECK(expected == actual, DataError, "[safetensors] ", path, ": checksum mismatch (expected crc32 ",
                    expected, ", got ", actual, "): the file is corrupt");
