@@ -112,7 +112,11 @@ void read_llama(const ConfigJson& j, HuggingFaceModel& out) {
   m.rope_scaling = "none";
   if (j.has("rope_scaling")) {
     const auto& r = j.at("rope_scaling");
-    const auto kind = r.contains("rope_type") ? r["rope_type"].get<std::string>() : r.value("type", std::string("default"));
+    MEMTRAIN_CHECK(r.is_object(), ConfigError, "[config] ", j.path(), ": rope_scaling = ", r.dump(), " is not an object");
+    const auto& named = r.contains("rope_type") ? r["rope_type"] : r.contains("type") ? r["type"] : json("default");
+    MEMTRAIN_CHECK(named.is_string(), ConfigError, "[config] ", j.path(), ": rope_scaling.rope_type = ", named.dump(),
+                   " is not a name");
+    const auto kind = named.get<std::string>();
     if (kind == "llama3") {
       auto number = [&](const char* key) {
         MEMTRAIN_CHECK(r.contains(key) && r[key].is_number(), ConfigError, "[config] ", j.path(), ": rope_scaling.", key,
@@ -134,9 +138,13 @@ void read_llama(const ConfigJson& j, HuggingFaceModel& out) {
 HuggingFaceModel model_from_hugging_face(const std::string& dir, const ModelConfig& base) {
   ConfigJson j(dir);
   HuggingFaceModel out{base, {}, j.get<std::string>("model_type")};
-  if (out.model_type == "gpt2") read_gpt2(j, out);
-  else if (out.model_type == "llama" || out.model_type == "mistral" || out.model_type == "qwen2") read_llama(j, out);
-  else j.unsupported("model_type = " + out.model_type, "gpt2 | llama | mistral | qwen2");
+  try {
+    if (out.model_type == "gpt2") read_gpt2(j, out);
+    else if (out.model_type == "llama" || out.model_type == "mistral" || out.model_type == "qwen2") read_llama(j, out);
+    else j.unsupported("model_type = " + out.model_type, "gpt2 | llama | mistral | qwen2");
+  } catch (const json::exception& e) {  // a nested value of the wrong type (rope_scaling's)
+    throw ConfigError(detail::concat("[config] ", j.path(), ": ", e.what()));
+  }
   MEMTRAIN_CHECK(out.config.n_head > 0 && out.config.n_embd % out.config.n_head == 0, ConfigError, "[config] ", j.path(),
                  ": the width ", out.config.n_embd, " is not a multiple of the ", out.config.n_head, " heads");
   return out;

@@ -31,6 +31,8 @@
 #include "memtrain/core/error.h"
 #include "memtrain/core/safetensors.h"
 #include "memtrain/core/state_checkpoint.h"
+#include "memtrain/models/hugging_face.h"
+#include "memtrain/runtime/factories.h"
 
 namespace memtrain {
 namespace {
@@ -699,6 +701,92 @@ TEST(FuzzFound, ATensorWithoutPiecesIsLoadedOrADataError) {
   write_bytes(folder + "/manifest.json", manifest.dump(1));
   msg = test::error_of([&] { load_checkpoint(folder); });
   EXPECT_NE(msg.find("tensor 'model/none' has unknown dtype \"F7\""), std::string::npos) << msg;
+}
+
+// --- Hugging Face folders ---
+
+TEST(Fuzz, HuggingFaceFoldersAreAcceptedOrErrors) {
+  // The transformers-made llama_gqa folder (config.json, an index, 12 shards), mutated: a config.json key set
+  // to an odd JSON value or removed, rope_scaling made odd, a weight_map entry made odd or removed, a shard's
+  // byte flipped or its tail cut. Reading the config and then the weights must give the model or a
+  // memtrain::Error, never another exception. A config that asks for a model past 10M parameters is read
+  // but not built (allocation limits are not what this tests).
+  const std::string source = test::fixture("hf/llama_gqa");
+  test::TempDir dir;
+  Outcomes outcomes;
+  const int n = runs(300);
+  std::vector<std::string> shards;
+  for (const auto& e : fs::directory_iterator(source))
+    if (e.path().extension() == ".safetensors") shards.push_back(e.path().filename().string());
+  ASSERT_FALSE(shards.empty());
+  for (int i = 0; i < n; ++i) {
+    Rng rng(seed(), static_cast<uint64_t>(i));
+    const auto folder = dir.path("m" + std::to_string(i));
+    fs::copy(source, folder);
+    std::string log;
+    const int mutations = 1 + static_cast<int>(rng.below(3));
+    for (int m = 0; m < mutations; ++m) {
+      const auto kind = rng.below(4);
+      if (kind <= 1) {  // config.json
+        auto j = json::parse(read_bytes(folder + "/config.json"));
+        std::vector<std::string> keys;
+        for (auto& [k, v] : j.items()) keys.push_back(k);
+        keys.push_back("rope_scaling");
+        const auto key = rng.pick(keys);
+        if (kind == 0 && rng.chance(25)) {
+          j.erase(key);
+          log += "config.json: removed " + key + "; ";
+        } else if (key == "rope_scaling") {
+          j[key] = {{"rope_type", rng.chance(50) ? json("llama3") : odd_json(rng)}, {"factor", odd_json(rng)},
+                    {"low_freq_factor", odd_json(rng)}, {"high_freq_factor", odd_json(rng)},
+                    {"original_max_position_embeddings", odd_json(rng)}};
+          log += "config.json: rope_scaling " + dump(j[key]) + "; ";
+        } else {
+          j[key] = odd_json(rng);
+          log += "config.json: " + key + " = " + dump(j[key]) + "; ";
+        }
+        write_bytes(folder + "/config.json", dump(j, 2));
+      } else if (kind == 2) {  // the index
+        auto j = json::parse(read_bytes(folder + "/model.safetensors.index.json"));
+        auto& map = j["weight_map"];
+        std::vector<std::string> names;
+        for (auto& [k, v] : map.items()) names.push_back(k);
+        const auto name = rng.pick(names);
+        if (rng.chance(30)) map.erase(name), log += "index: removed " + name + "; ";
+        else map[name] = odd_json(rng), log += "index: " + name + " -> " + dump(map[name]) + "; ";
+        write_bytes(folder + "/model.safetensors.index.json", dump(j));
+      } else {  // a shard's bytes
+        const auto shard = folder + "/" + rng.pick(shards);
+        auto bytes = read_bytes(shard);
+        if (rng.chance(50) && !bytes.empty()) {
+          const auto at = rng.below(bytes.size());
+          bytes[at] = static_cast<char>(bytes[at] ^ (1 << rng.below(8)));
+          log += detail::concat(fs::path(shard).filename().string(), ": flipped byte ", at, "; ");
+        } else {
+          bytes.resize(rng.below(bytes.size() + 1));
+          log += detail::concat(fs::path(shard).filename().string(), ": cut to ", bytes.size(), " bytes; ");
+        }
+        write_bytes(shard, bytes);
+      }
+    }
+    outcomes.run(
+        i, log,
+        [&] {
+          const auto c = Config::load("", {"--model.init_from=" + folder, "--data.dataset=synthetic"});
+          const auto& m = c.model;
+          const double size = static_cast<double>(m.vocab_size) * static_cast<double>(m.n_embd) +
+                              static_cast<double>(m.n_layer) * static_cast<double>(m.n_embd) *
+                                  (4.0 * static_cast<double>(m.n_embd) + 3.0 * static_cast<double>(m.ffn_hidden));
+          if (size > 1e7 || m.vocab_size > 1e6) return;
+          auto model = make_model(m, DataInfo{.vocab_size = 97});
+          load_hugging_face_weights(*model, folder);
+        },
+        [&] { return read_bytes(folder + "/config.json"); });
+    fs::remove_all(folder);
+  }
+  outcomes.report("model.init_from", n);
+  EXPECT_GT(outcomes.accepted, n / 20);
+  EXPECT_GT(outcomes.refused, n / 5);
 }
 
 }  // namespace
