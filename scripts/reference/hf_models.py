@@ -45,7 +45,7 @@ def cases():
                                                       rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                                     "original_max_position_embeddings": 16}),
-                        None, torch.float32),
+                        None, torch.float16),  # stored in fp16
         # Stored in bf16: memtrain converts to its fp32 parameters, the reference runs the same bf16 values in fp32.
         "llama_bf16": (LlamaForCausalLM, LlamaConfig(**common, num_key_value_heads=1, tie_word_embeddings=False),
                        "8KB", torch.bfloat16),
