@@ -23,6 +23,7 @@ TORCH_PIN="${MEMTRAIN_TORCH:-torch==2.11.0}"
 TOKENIZERS_PIN="tokenizers==0.22.1"  # Hugging Face's, for the BPE vocabularies of the GPT examples
 MATPLOTLIB_PIN="matplotlib==3.10.7"  # scripts/plot_memory.py: each run's memory.png
 TRANSFORMERS_PIN="transformers==4.57.6"  # the oracle of the Hugging Face tests and the export's reader
+PEFT_PIN="peft==0.17.1"  # the oracle of the LoRA tests and the adapter export's reader
 PYTHON="${MEMTRAIN_PYTHON_BASE:-python3}"
 DATA="$CACHE/data"
 BUILD="${MEMTRAIN_BUILD:-$ROOT/build}"
@@ -146,6 +147,10 @@ fi
 if [ "$("$VENV/bin/python" -c 'import transformers;print(transformers.__version__)' 2>/dev/null)" != "${TRANSFORMERS_PIN#*==}" ]; then
   log "installing $TRANSFORMERS_PIN into $VENV"
   "$VENV/bin/pip" install -q --disable-pip-version-check "$TRANSFORMERS_PIN" "$TOKENIZERS_PIN"
+fi
+if [ "$("$VENV/bin/python" -c 'import peft;print(peft.__version__)' 2>/dev/null)" != "${PEFT_PIN#*==}" ]; then
+  log "installing $PEFT_PIN into $VENV"
+  "$VENV/bin/pip" install -q --disable-pip-version-check "$PEFT_PIN" "$TRANSFORMERS_PIN" "$TOKENIZERS_PIN"
 fi
 if [ "$("$VENV/bin/python" -c 'import matplotlib;print(matplotlib.__version__)' 2>/dev/null)" != "${MATPLOTLIB_PIN#*==}" ]; then
   log "installing $MATPLOTLIB_PIN into $VENV"

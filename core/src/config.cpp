@@ -14,6 +14,7 @@
 #include <limits>
 #include <functional>
 #include <map>
+#include <regex>
 #include <sstream>
 
 #include "memtrain/core/recompute_policy.h"
@@ -106,6 +107,15 @@ Check<std::string> parses_with(void (*parse)(const std::string&)) {
 
 std::string trim(const std::string& s);
 
+// train.freeze: a regular expression std::regex accepts.
+void check_regex(const std::string& value) {
+  try {
+    std::regex re(value);
+  } catch (const std::regex_error& e) {
+    throw ConfigError(detail::concat("[config] train.freeze = '", value, "' is not a regular expression: ", e.what()));
+  }
+}
+
 // model.hidden: comma-separated positive integers.
 Check<std::string> positive_list() {
   return [](const std::string& key, const std::string& value) {
@@ -164,6 +174,7 @@ std::vector<Entry> entries(Config& c) {
   auto& dist = c.dist;
   auto& l = c.log;
   auto& ck = c.checkpoint;
+  auto& lo = c.lora;
   return {
       entry("model.name", &m.name, choices::join(choices::model_name), one_of(choices::model_name)),
       entry("model.init_from", &m.init_from, "a Hugging Face model folder (config.json, model*.safetensors): its config.json sets model.name and the shape, its weights the starting point; empty = random weights", "gpt llama"),
@@ -227,6 +238,7 @@ std::vector<Entry> entries(Config& c) {
             choices::join(choices::on_nonfinite) + " (a non-finite loss or gradient norm without fp16: skip the update, "
             "or stop the run; fp16's loss scaler skips such steps itself)", one_of(choices::on_nonfinite)),
       entry("train.max_nonfinite", &t.max_nonfinite, "consecutive skipped non-finite steps before the run stops", at_least<int64_t>(1)),
+      entry("train.freeze", &t.freeze, "a regular expression (ECMAScript, matching the whole name) of parameters that do not train: no gradient, optimizer state or master copy (names as --print-parameters lists them: Hugging Face's for imported models); empty = none", parses_with(check_regex)),
       entry("memory.track", &mem.track, "record per-step peak memory"),
       entry("memory.recompute", &mem.recompute, "activation recomputation (checkpointing): none | all | every:K | attn | mlp | budget:MiB", parses_with([](const std::string& v) { RecomputePolicy::parse(v); })),
       entry("memory.offload", &mem.offload, "keep recomputed blocks' inputs in pinned CPU memory (CUDA)"),
@@ -297,6 +309,11 @@ std::vector<Entry> entries(Config& c) {
       entry("checkpoint.resume", &ck.resume,
             "empty: start fresh | auto: continue from the newest complete checkpoint in checkpoint.dir (none: start "
             "fresh and say so) | a checkpoint folder"),
+      entry("lora.rank", &lo.rank, "low-rank adapters' rank; 0 = none (every parameter trains, unless train.freeze)", at_least<int64_t>(0)),
+      entry("lora.alpha", &lo.alpha, "the adapters' scale is alpha / rank", where<double>([](double v) { return v > 0; }, "> 0")),
+      entry("lora.dropout", &lo.dropout, "dropout on the adapters' input", where<double>([](double v) { return v >= 0 && v < 1; }, "in [0, 1)")),
+      entry("lora.targets", &lo.targets, "comma-separated names of the linear maps that get adapters: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (llama) | c_attn,c_proj,c_fc (gpt)"),
+      entry("lora.init_from", &lo.init_from, "a peft adapter folder (adapter_config.json + adapter_model.safetensors) to start the adapters from; empty = A Kaiming-uniform, B zero (the first forward is the base model's)"),
   };
 }
 
@@ -345,7 +362,7 @@ std::string known_keys_hint(const std::vector<Entry>& all, const std::string& ba
   std::string hint;
   if (!best.empty()) hint += "; did you mean '" + best + "'?";
   if (!in_section.empty()) hint += " Known keys in [" + section + "]: " + in_section;
-  else hint += " Known sections: [model] [data] [train] [memory] [dist] [log] [checkpoint]";
+  else hint += " Known sections: [model] [data] [train] [memory] [dist] [log] [checkpoint] [lora]";
   return hint;
 }
 
@@ -488,6 +505,31 @@ Config Config::load(const std::string& path, const std::vector<std::string>& raw
       c.model.block_size = c.model.max_positions;
   }
 
+  // lora.init_from: adapter_config.json sets the rank, alpha, dropout and targets; a key also given must agree.
+  if (!c.lora.init_from.empty()) {
+    auto peft = lora_from_peft(c.lora.init_from, c.lora);
+    Config from_folder = c;
+    from_folder.lora = peft.config;
+    auto theirs = entries(from_folder);
+    for (size_t i = 0; i < all.size(); ++i) {
+      const auto& key = all[i].key;
+      if (!given(key) || std::find(peft.keys.begin(), peft.keys.end(), key) == peft.keys.end()) continue;
+      auto normalized = [](std::string v) {  // targets in any order
+        std::vector<std::string> parts;
+        std::stringstream ss(v);
+        for (std::string t; std::getline(ss, t, ',');) parts.push_back(t);
+        std::sort(parts.begin(), parts.end());
+        std::string out;
+        for (const auto& t : parts) out += (out.empty() ? "" : ",") + t;
+        return out;
+      };
+      MEMTRAIN_CHECK(normalized(all[i].show()) == normalized(theirs[i].show()), ConfigError, "[config] ", key, " = ",
+                     all[i].show(), " (", origin(key), ") disagrees with lora.init_from = ", c.lora.init_from,
+                     ", whose adapter_config.json makes it ", theirs[i].show(), ": remove ", key);
+    }
+    c.lora = peft.config;
+  }
+
   try {
     c.validate();
   } catch (const ConfigError& e) {
@@ -559,6 +601,12 @@ void Config::validate() const {
                    "[config] model.block_size = ", model.block_size, " is out of range: the model is made for at most ",
                    model.max_positions, " positions (model.max_positions)");
   }
+  MEMTRAIN_CHECK(lora.rank == 0 || !lora.targets.empty(), ConfigError, "[config] lora.rank = ", lora.rank,
+                 " needs lora.targets: the names of the linear maps to adapt (q_proj,v_proj for a Llama, c_attn for a GPT)");
+  MEMTRAIN_CHECK(lora.rank > 0 || lora.init_from.empty(), ConfigError, "[config] lora.init_from = ", lora.init_from,
+                 " needs lora.rank > 0 (the adapter folder's rank)");
+  MEMTRAIN_CHECK(lora.rank == 0 || train.freeze.empty(), ConfigError, "[config] train.freeze = ", train.freeze,
+                 " with lora.rank = ", lora.rank, ": LoRA freezes every parameter but its adapters already; set one of them");
   MEMTRAIN_CHECK(data.tokens.empty() || data.dataset == "text", ConfigError, "[config] data.tokens = ", data.tokens,
                  " needs data.dataset = text (token ids for a language model), got ", data.dataset);
   check_range("train.min_lr", train.min_lr, train.min_lr >= 0 && train.min_lr <= train.lr, "in [0, train.lr]");

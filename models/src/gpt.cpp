@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "memtrain/core/error.h"
+#include "memtrain/models/lora.h"
 
 namespace memtrain {
 
@@ -44,12 +45,12 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTOptions& o) : n_head(o
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   const auto B = x.size(0), T = x.size(1), C = x.size(2);
-  auto qkv = detail::linear(x, c_attn->weight, c_attn->bias).split(C, /*dim=*/2);  // 3 x (B, T, C)
+  auto qkv = detail::linear(x, *c_attn).split(C, /*dim=*/2);  // 3 x (B, T, C)
   auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_head, C / n_head}).transpose(1, 2); };
   auto y = at::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), /*attn_mask=*/{},
                                             is_training() ? dropout : 0.0, /*is_causal=*/true);  // (B, nh, T, hs)
   y = y.transpose(1, 2).contiguous().view({B, T, C});
-  return resid_drop->forward(detail::linear(y, c_proj->weight, c_proj->bias));
+  return resid_drop->forward(detail::linear(y, *c_proj));
 }
 
 MLPBlockImpl::MLPBlockImpl(const GPTOptions& o) {
@@ -60,8 +61,8 @@ MLPBlockImpl::MLPBlockImpl(const GPTOptions& o) {
 
 torch::Tensor MLPBlockImpl::forward(const torch::Tensor& x) {
   // GPT-2's GELU is the tanh approximation.
-  auto h = torch::gelu(detail::linear(x, c_fc->weight, c_fc->bias), "tanh");
-  return drop->forward(detail::linear(h, c_proj->weight, c_proj->bias));
+  auto h = torch::gelu(detail::linear(x, *c_fc), "tanh");
+  return drop->forward(detail::linear(h, *c_proj));
 }
 
 TransformerBlockImpl::TransformerBlockImpl(const GPTOptions& o) {

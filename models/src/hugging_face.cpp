@@ -12,6 +12,7 @@
 #include "memtrain/core/safetensors.h"
 #include "memtrain/models/gpt.h"
 #include "memtrain/models/llama.h"
+#include "memtrain/models/lora.h"
 
 namespace memtrain {
 
@@ -126,6 +127,7 @@ HuggingFaceWeights::HuggingFaceWeights(Model& model, const std::string& dir) : i
   for (const auto& item : model.named_parameters()) {
     const auto& p = item.value();
     if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;  // a tied weight once
+    if (is_lora_parameter(item.key())) continue;                 // adapters: a peft folder's (load_lora_adapter)
     auto hf = hugging_face_name(kind, item.key());
     if (bare_gpt2) hf.name = item.key();
     auto it = where.find(hf.name);
@@ -241,6 +243,73 @@ std::vector<std::string> save_hugging_face(const std::string& dir, const ModelCo
   written.push_back((fs::path(dir) / "config.json").string());
   fs::rename(partial, dir);
   return written;
+}
+
+std::string peft_name(const std::string& model, const std::string& parameter) {
+  MEMTRAIN_CHECK(is_lora_parameter(parameter), Error, "[lora] '", parameter, "' is not an adapter parameter");
+  const auto dot = parameter.rfind('.');
+  const auto module = parameter.substr(0, dot), which = parameter.substr(dot + 1);
+  auto base = hugging_face_name(model, module + ".weight").name;
+  base.resize(base.size() - std::string(".weight").size());
+  return "base_model.model." + base + "." + which + ".weight";
+}
+
+void load_lora_adapter(Model& model, const std::string& dir) {
+  const auto kind = model_kind(model);
+  const auto path = (fs::path(dir) / "adapter_model.safetensors").string();
+  std::error_code ec;
+  MEMTRAIN_CHECK(fs::is_regular_file(path, ec), DataError, "[lora] ", dir,
+                 ": no adapter_model.safetensors (peft's save_pretrained writes it beside adapter_config.json)");
+  const auto stored = load_safetensors(path);
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;
+  std::set<std::string> used;
+  for (const auto& item : model.named_parameters()) {
+    if (!is_lora_parameter(item.key())) continue;
+    const auto name = peft_name(kind, item.key());
+    auto it = stored.find(name);
+    MEMTRAIN_CHECK(it != stored.end(), DataError, "[lora] ", path, ": no tensor '", name, "' (memtrain's ", item.key(),
+                   ", shape ", item.value().sizes(), "): an adapter of other targets?");
+    MEMTRAIN_CHECK(it->second.sizes() == item.value().sizes(), DataError, "[lora] ", path, ": tensor '", name,
+                   "' has shape ", it->second.sizes(), "; the adapter expects ", item.value().sizes(), " (another rank or base?)");
+    copies.emplace_back(item.value(), it->second);
+    used.insert(name);
+  }
+  for (const auto& [name, t] : stored)
+    MEMTRAIN_CHECK(used.count(name), DataError, "[lora] ", path, ": unexpected tensor '", name,
+                   "': this model has no adapter of that name (lora.targets differ?)");
+  torch::NoGradGuard no_grad;
+  for (auto& [p, t] : copies) p.copy_(t);
+}
+
+std::vector<std::string> save_lora_adapter(const std::string& dir, const ModelConfig& model, const LoraConfig& lora,
+                                           const std::map<std::string, torch::Tensor>& adapters,
+                                           const std::string& base_model) {
+  std::error_code ec;
+  MEMTRAIN_CHECK(!fs::exists(dir, ec), ConfigError, "[export] ", dir,
+                 " already exists: an export never overwrites a folder; choose a new one or remove it");
+  std::map<std::string, torch::Tensor> tensors;
+  for (const auto& [name, t] : adapters) tensors.emplace(peft_name(model.name, name), t.detach().to(torch::kCPU, torch::kFloat).contiguous());
+  const auto partial = dir + ".partial";
+  fs::remove_all(partial, ec);
+  fs::create_directories(partial);
+  save_safetensors((fs::path(partial) / "adapter_model.safetensors").string(), tensors, {{"format", "pt"}});
+  write_file_atomically((fs::path(partial) / "adapter_config.json").string(), peft_adapter_config_json(lora, model, base_model));
+  fs::rename(partial, dir);
+  return {(fs::path(dir) / "adapter_model.safetensors").string(), (fs::path(dir) / "adapter_config.json").string()};
+}
+
+std::map<std::string, torch::Tensor> merge_lora(const std::map<std::string, torch::Tensor>& parameters, double scale) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& [name, t] : parameters)
+    if (!is_lora_parameter(name)) out[name] = t;
+  for (const auto& [name, t] : parameters) {
+    if (!name.ends_with(".lora_A")) continue;
+    const auto module = name.substr(0, name.size() - std::string(".lora_A").size());
+    auto& w = out.at(module + ".weight");
+    const auto& b = parameters.at(module + ".lora_B");
+    w = w.to(torch::kFloat) + torch::matmul(b.to(torch::kFloat), t.to(torch::kFloat)) * scale;  // (out, r) (r, in)
+  }
+  return out;
 }
 
 }  // namespace memtrain

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "memtrain/core/error.h"
+#include "memtrain/models/lora.h"
 
 namespace memtrain {
 
@@ -89,13 +90,13 @@ torch::Tensor apply_rotary(const torch::Tensor& x, const RotaryTables& rope) {
 torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const RotaryTables& rope) {
   const auto B = x.size(0), T = x.size(1);
   auto heads = [&](const torch::Tensor& t, int64_t n) { return t.view({B, T, n, head_dim}).transpose(1, 2); };
-  auto q = apply_rotary(heads(detail::linear(x, q_proj->weight, q_proj->bias), n_head), rope);     // (B, nh, T, hd)
-  auto k = apply_rotary(heads(detail::linear(x, k_proj->weight, k_proj->bias), n_kv_head), rope);  // (B, nkv, T, hd)
-  auto v = heads(detail::linear(x, v_proj->weight, v_proj->bias), n_kv_head);
+  auto q = apply_rotary(heads(detail::linear(x, *q_proj), n_head), rope);     // (B, nh, T, hd)
+  auto k = apply_rotary(heads(detail::linear(x, *k_proj), n_kv_head), rope);  // (B, nkv, T, hd)
+  auto v = heads(detail::linear(x, *v_proj), n_kv_head);
   auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
                                             /*scale=*/std::nullopt, /*enable_gqa=*/n_kv_head != n_head);
   y = y.transpose(1, 2).reshape({B, T, n_head * head_dim});
-  return detail::linear(y, o_proj->weight, o_proj->bias);
+  return detail::linear(y, *o_proj);
 }
 
 LlamaMLPImpl::LlamaMLPImpl(const LlamaOptions& o) {
@@ -106,8 +107,8 @@ LlamaMLPImpl::LlamaMLPImpl(const LlamaOptions& o) {
 }
 
 torch::Tensor LlamaMLPImpl::forward(const torch::Tensor& x) {
-  auto gate = torch::silu(detail::linear(x, gate_proj->weight, gate_proj->bias));
-  return detail::linear(gate * detail::linear(x, up_proj->weight, up_proj->bias), down_proj->weight, down_proj->bias);
+  auto gate = torch::silu(detail::linear(x, *gate_proj));
+  return detail::linear(gate * detail::linear(x, *up_proj), *down_proj);
 }
 
 LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaOptions& o) {

@@ -31,6 +31,7 @@
 #include "memtrain/core/safetensors.h"
 #include "memtrain/distributed/world.h"
 #include "memtrain/core/files.h"
+#include "memtrain/models/lora.h"
 #include "memtrain/runtime/export.h"
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/generate.h"
@@ -48,7 +49,10 @@ constexpr const char* kUsage =
     "Evaluate: memtrain eval --config X [--model.init_from=DIR | --weights FILE.safetensors] prints 'val loss L' over\n"
     "the validation windows (train.eval_batches of train.micro_batch) and writes it to <log.dir>/<log.name>-eval/summary.json.\n"
     "Export: memtrain export --checkpoint PATH --out DIR [--dtype float32|bfloat16|float16] [--max-shard-mb N] writes a\n"
-    "training-state checkpoint (any world size and ZeRO stage) as a Hugging Face folder (config.json + safetensors).\n";
+    "training-state checkpoint (any world size and ZeRO stage) as a Hugging Face folder (config.json + safetensors);\n"
+    "a LoRA run's as a peft adapter folder, or with --merged the whole model with the adapters merged in.\n"
+    "Parameters: memtrain --config X --print-parameters lists every parameter's name, shape and whether it trains\n"
+    "(the names train.freeze matches).\n";
 
 // "1,2,3" -> {1, 2, 3}.
 std::vector<int64_t> parse_ids(const std::string& text) {
@@ -147,6 +151,31 @@ int eval(const memtrain::Config& config, const std::map<std::string, std::string
   return 0;
 }
 
+// --print-parameters: every parameter of the config's model (with LoRA's adapters, after train.freeze): name,
+// shape, and whether it trains. Builds the model only (no weights read, nothing trained).
+int print_parameters(const memtrain::Config& config) {
+  auto data = memtrain::make_dataset(config, {});
+  auto model = memtrain::make_model(config.model, data->info());
+  if (config.lora.rank > 0) {
+    memtrain::LoraOptions o{.rank = config.lora.rank, .alpha = config.lora.alpha, .dropout = config.lora.dropout, .targets = {}};
+    std::stringstream ss(config.lora.targets);
+    for (std::string t; std::getline(ss, t, ',');)
+      if (!t.empty()) o.targets.push_back(t);
+    memtrain::add_lora(*model, o);
+    memtrain::freeze_all_but_lora(*model);
+  } else if (!config.train.freeze.empty()) {
+    memtrain::freeze_matching(*model, config.train.freeze);
+  }
+  int64_t trains = 0, frozen = 0;
+  for (const auto& item : model->named_parameters()) {
+    const auto& p = item.value();
+    (p.requires_grad() ? trains : frozen) += p.numel();
+    std::cout << (p.requires_grad() ? "trains  " : "frozen  ") << item.key() << " " << p.sizes() << "\n";
+  }
+  std::cout << "parameters: " << trains << " train, " << frozen << " frozen (tied weights are listed under each name)\n";
+  return 0;
+}
+
 // `memtrain export`: no config; the checkpoint's own.
 int export_checkpoint(const std::map<std::string, std::string>& flags) {
   auto need = [&](const char* flag) {
@@ -155,7 +184,7 @@ int export_checkpoint(const std::map<std::string, std::string>& flags) {
                    " (memtrain export --checkpoint PATH --out DIR)");
     return it->second;
   };
-  memtrain::ExportOptions o{.checkpoint = need("--checkpoint"), .out = need("--out")};
+  memtrain::ExportOptions o{.checkpoint = need("--checkpoint"), .out = need("--out"), .merged = flags.count("--merged") > 0};
   if (flags.count("--dtype")) {
     const auto& d = flags.at("--dtype");
     if (d == "float32") o.dtype = torch::kFloat;
@@ -198,6 +227,7 @@ struct Args {
   std::vector<std::string> overrides;
   std::map<std::string, std::string> sampling;  // --generate and its flags
   bool print_only = false;
+  bool print_parameters = false;
   bool estimate_only = false;
   int estimate_ranks = 0;
   std::string subcommand;                      // "" (train) | estimate | eval | export
@@ -237,6 +267,8 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
         std::cerr << "memtrain: estimate: --ranks '" << v << "' is not a whole number >= 1\n";
         return 2;
       }
+    } else if (a.subcommand == "export" && arg == "--merged") {
+      a.exporting[arg] = "true";
     } else if (a.subcommand == "export" &&
                (arg == "--checkpoint" || arg == "--out" || arg == "--dtype" || arg == "--max-shard-mb")) {
       if (i + 1 >= argc) {
@@ -246,10 +278,12 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
       a.exporting[arg] = argv[++i];
     } else if (a.subcommand == "export") {
       std::cerr << "memtrain: export: unknown argument '" << arg
-                << "' (memtrain export --checkpoint PATH --out DIR [--dtype float32|bfloat16|float16] [--max-shard-mb N])\n";
+                << "' (memtrain export --checkpoint PATH --out DIR [--dtype float32|bfloat16|float16] [--max-shard-mb N] [--merged])\n";
       return 2;
     } else if (arg == "--print-config") {
       a.print_only = true;
+    } else if (arg == "--print-parameters") {
+      a.print_parameters = true;
     } else if ((arg == "--generate" || arg == "--weights" || arg == "--prompt-ids" || arg == "--temperature" || arg == "--top-k") &&
                i + 1 < argc) {
       a.sampling[arg] = argv[++i];
@@ -295,6 +329,7 @@ int main(int argc, char** argv) {
       std::cout << config.to_ini();
       return 0;
     }
+    if (args.print_parameters) return print_parameters(config);
     if (args.sampling.count("--generate")) return sample(config, args.sampling);
     if (args.subcommand == "eval") {
       for (const auto& [flag, value] : args.sampling)

@@ -11,6 +11,7 @@
 #include "memtrain/data/datasets.h"
 #include "memtrain/models/gpt.h"
 #include "memtrain/models/hugging_face.h"
+#include "memtrain/models/lora.h"
 #include "memtrain/runtime/factories.h"
 
 namespace memtrain {
@@ -71,13 +72,27 @@ ExportResult export_hugging_face(const ExportOptions& options) {
   fs::remove(ini, ec);
   const auto init_from = Config::ini_values(field->second)["model.init_from"];
 
-  std::map<std::string, torch::Tensor> parameters;
+  std::map<std::string, torch::Tensor> parameters;  // what trained (model/) and what did not (frozen/)
   ExportResult out;
   for (const auto& [name, t] : ck.tensors) {
-    if (!name.starts_with("model/")) continue;
-    parameters.emplace(name.substr(6), t);
+    const auto slash = name.find('/');
+    if (name.substr(0, slash) != "model" && name.substr(0, slash) != "frozen") continue;
+    parameters.emplace(name.substr(slash + 1), t);
     out.parameters += t.numel();
   }
+  const auto& lora = config.lora;
+  if (lora.rank > 0 && !options.merged) {
+    std::map<std::string, torch::Tensor> adapters;
+    out.parameters = 0;
+    for (const auto& [name, t] : parameters)
+      if (is_lora_parameter(name)) adapters.emplace(name, t), out.parameters += t.numel();
+    MEMTRAIN_CHECK(!adapters.empty(), DataError, "[export] ", path, ": a LoRA run's checkpoint without adapters");
+    out.files = save_lora_adapter(options.out, config.model, lora, adapters, init_from);
+    out.checkpoint = path;
+    out.step = ck.meta.step;
+    return out;
+  }
+  if (lora.rank > 0) parameters = merge_lora(parameters, lora.alpha / static_cast<double>(lora.rank));
   const char* embedding = config.model.name == "gpt" ? "wte.weight" : "model.embed_tokens.weight";
   MEMTRAIN_CHECK(parameters.count(embedding), DataError, "[export] ", path, ": no parameter '", embedding,
                  "': a checkpoint of model.name = ", config.model.name, " without its embedding");

@@ -48,10 +48,10 @@ MemoryEstimate estimate_memory(const EstimateInputs& in) {
   if (!sharded) {
     // One process: gradients are set to none at each step's start and born during backward (the probe
     // measured them with the activations); the masters' gradients too.
-    dev.params = p * pb;
+    dev.params = (p + in.frozen_elements) * pb;
     dev.optimizer_state = in.state_bytes * p + (in.master_weights ? 4 * p : 0);
   } else {
-    dev.params = (in.stage == 3 ? part : p) * pb;
+    dev.params = ((in.stage == 3 ? part : p) + in.frozen_elements) * pb;
     // Full-size gradient buckets stay allocated in stages 0 and 1 (views the backward accumulates into);
     // stage 1 also holds this rank's reduced part (offload: beside the optimizer state). In stages 2-3 it
     // exists only from the bucket's first reduction to the optimizer step: not at the activation peak (the

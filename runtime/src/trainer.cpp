@@ -20,6 +20,7 @@
 #include "memtrain/core/files.h"
 #include "memtrain/core/safetensors.h"
 #include "memtrain/models/hugging_face.h"
+#include "memtrain/models/lora.h"
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/fused_loss.h"
 #include "memtrain/runtime/run_report.h"
@@ -88,8 +89,12 @@ void Trainer::load_init_from_shards() {
   HuggingFaceWeights weights(*model_, config_.model.init_from);
   {
     torch::NoGradGuard no_grad;
-    for (const auto& seg : dp_->segments()) seg.stepped.copy_(weights.read(seg.name, seg.begin, seg.end));
+    for (const auto& seg : dp_->segments())  // LoRA's adapters are not in the folder: made (or read) in setup()
+      if (!is_lora_parameter(seg.name)) seg.stepped.copy_(weights.read(seg.name, seg.begin, seg.end));
     dp_->parameters_from_stepped();
+    // What does not train is not in the buckets: whole on every rank.
+    for (size_t i = 0; i < frozen_.size(); ++i)
+      frozen_[i].copy_(weights.read(frozen_names_[i], 0, frozen_[i].numel()).view(frozen_[i].sizes()));
   }
   const int64_t added = cpu_memory::peak() - resident;
   std::cout << "init_from:  " << config_.model.init_from << ": rank " << world_.rank << " read "

@@ -312,6 +312,7 @@ EstimateInputs Trainer::estimate_inputs(int world) const {
   in.block_elements.assign(static_cast<size_t>(model_->num_blocks()), 0);
   for (size_t i = 0; i < params_.size(); ++i)
     (units_[i] < 0 ? in.root_elements : in.block_elements[static_cast<size_t>(units_[i])]) += params_[i].numel();
+  for (const auto& f : frozen_) in.frozen_elements += f.numel();
   in.param_bytes = param_dtype_ == torch::kFloat ? 4 : 2;
   in.master_weights = param_dtype_ != torch::kFloat;
   const auto& opt = config_.train.optimizer;

@@ -7,10 +7,14 @@
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <regex>
+#include <sstream>
 #include <set>
 
 #include "memtrain/core/cpu_memory.h"
 #include "memtrain/core/error.h"
+#include "memtrain/models/hugging_face.h"
+#include "memtrain/models/lora.h"
 #include "memtrain/runtime/device.h"
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/trainer.h"
@@ -71,6 +75,7 @@ void end_backward_span(TraceBlocks* t) {
 }
 
 void Trainer::setup() {
+  setup_lora_and_freeze();                // 0. LoRA's adapters (and their init_from); which parameters train
   setup_device();                         // 1. device, threads, allocator settings, precision
   auto masters = setup_parameters();      // 2. trainable parameters; bf16 ones with fp32 masters
   setup_units();                          // 3. ZeRO-3's unit of each parameter (and the estimate's)
@@ -107,11 +112,36 @@ void Trainer::setup_device() {
   model_->train();
 }
 
+void Trainer::setup_lora_and_freeze() {
+  const auto& l = config_.lora;
+  const auto& pattern = config_.train.freeze;
+  if (l.rank > 0) {
+    LoraOptions o{.rank = l.rank, .alpha = l.alpha, .dropout = l.dropout, .targets = {}};
+    std::stringstream ss(l.targets);
+    for (std::string t; std::getline(ss, t, ',');)
+      if (!t.empty()) o.targets.push_back(t);
+    const auto adapted = add_lora(*model_, o);
+    if (!l.init_from.empty()) load_lora_adapter(*model_, l.init_from);
+    const auto frozen = freeze_all_but_lora(*model_);
+    if (world_.is_main())
+      std::cout << "lora:       rank " << l.rank << ", alpha " << format_shortest(l.alpha) << " on " << adapted.size()
+                << " linear maps (" << l.targets << "); " << frozen << " base parameters frozen"
+                << (l.init_from.empty() ? std::string() : "; adapters from " + l.init_from) << "\n";
+  } else if (!pattern.empty()) {
+    const auto matched = freeze_matching(*model_, pattern);
+    if (world_.is_main())
+      std::cout << "freeze:     " << matched << " of " << model_->named_parameters().size() << " parameters match '"
+                << pattern << "' and do not train\n";
+  }
+}
+
 torch::OrderedDict<std::string, torch::Tensor> Trainer::setup_parameters() {
   std::set<const void*> seen;
   for (const auto& item : model_->named_parameters()) {
     const auto& p = item.value();
-    if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) params_.push_back(p), param_names_.push_back(item.key());
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    if (p.requires_grad()) params_.push_back(p), param_names_.push_back(item.key());
+    else frozen_.push_back(p), frozen_names_.push_back(item.key());
   }
   torch::OrderedDict<std::string, torch::Tensor> masters;
   if (config_.train.param_dtype != "bf16") return masters;
@@ -225,6 +255,7 @@ void Trainer::setup_tracker() {
       for (const auto& m : master_) state.push_back(m), state.push_back(m.grad());
       r = resident_bytes(params_, state, d);
     }
+    r.params += resident_bytes(frozen_, {}, d).params;  // what does not train: its bytes, no gradient or state
     if (d.is_cpu()) r.data = data_->resident_bytes();  // datasets live in host memory
     return r;
   });

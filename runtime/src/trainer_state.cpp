@@ -65,6 +65,8 @@ std::vector<ShardPiece> Trainer::state_pieces() const {
     }
   }
   if (world_.is_main()) {
+    for (size_t i = 0; i < frozen_.size(); ++i)  // what does not train: whole, once
+      add("frozen/" + frozen_names_[i], frozen_[i], frozen_[i].sizes().vec(), 0, frozen_[i].numel());
     for (const auto& item : model_->named_buffers())
       add("buffer/" + item.key(), item.value(), item.value().sizes().vec(), 0, item.value().numel());
     if (scaler_) {
@@ -157,6 +159,9 @@ std::set<std::string> Trainer::check_checkpoint(const std::string& path, const L
     return it->second;
   };
   for (const auto& [name, p] : params) expect("model/" + name, p, "parameter");
+  std::map<std::string, torch::Tensor> frozen;
+  for (size_t i = 0; i < frozen_.size(); ++i) frozen[frozen_names_[i]] = frozen_[i];
+  for (const auto& [name, p] : frozen) expect("frozen/" + name, p, "frozen parameter");
   for (const auto& [name, b] : buffers) expect("buffer/" + name, b, "buffer");
   const auto state_fields = param_state_fields(*optimizer_);
   std::set<std::string> stepped_names;  // parameters that have optimizer state in the checkpoint
@@ -172,6 +177,7 @@ std::set<std::string> Trainer::check_checkpoint(const std::string& path, const L
     const auto slash = name.find('/');
     const auto kind = name.substr(0, slash), rest = name.substr(slash + 1);
     const bool known = (kind == "model" && params.count(rest)) || (kind == "buffer" && buffers.count(rest)) ||
+                       (kind == "frozen" && frozen.count(rest)) ||
                        (kind == "optim" && params.count(rest.substr(0, rest.rfind('/')))) || kind == "scaler";
     MEMTRAIN_CHECK(known, DataError, "[checkpoint] ", path, ": unexpected tensor '", name,
                    "': this model has no such parameter or buffer (a checkpoint of another model?)");
@@ -231,6 +237,7 @@ void Trainer::load_checkpoint(const std::string& path) {
     }
   }
   for (auto& [name, b] : buffers) b.copy_(T.at("buffer/" + name));
+  for (size_t i = 0; i < frozen_.size(); ++i) frozen_[i].copy_(T.at("frozen/" + frozen_names_[i]));
   if (scaler_ && T.count("scaler/scale") && T.count("scaler/growth_tracker"))
     scaler_->load_state(T.at("scaler/scale"), T.at("scaler/growth_tracker"));
   if (!plan.empty() && policy_.mode == RecomputePolicy::Mode::kBudget) {

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""memtrain's Llama against the same model in transformers, side by side in one run, on this CPU.
+"""memtrain's Llama against the same model in transformers (and LoRA against transformers + peft), side by
+side in one run, on this CPU.
 
   llama.py --build build --out docs/benchmarks/llama_cpu.md [--rounds 3]
 
@@ -29,7 +30,7 @@ def peak_rss_of(args):
         return out.read(), usage.ru_maxrss * 1024
 
 
-def memtrain(build, workdir, name, extra):
+def memtrain(build, workdir, name, extra, detail=False):
     s = SHAPE
     args = [os.path.join(build, "memtrain"), "--model.name=llama", f"--model.n_layer={s['n_layer']}",
             f"--model.n_head={s['n_head']}", f"--model.n_kv_head={s['n_kv_head']}", f"--model.n_embd={s['n_embd']}",
@@ -41,7 +42,10 @@ def memtrain(build, workdir, name, extra):
     _, rss = peak_rss_of(args)
     rows = [json.loads(l) for l in open(os.path.join(workdir, name, "metrics.jsonl"))]
     ms = [r["ms_per_step"] for r in rows if r["step"] > WARMUP]
-    return statistics.median(ms), rss, max(r["peak_cpu"] for r in rows if r["step"] > 1)
+    mem = [json.loads(l) for l in open(os.path.join(workdir, name, "memory.rank0.jsonl"))]
+    last = mem[-1]
+    parts = {"optimizer_state_bytes": last["optimizer_state"], "grad_bytes": last["grads_at_optimizer"]}
+    return statistics.median(ms), rss, max(r["peak_cpu"] for r in rows if r["step"] > 1), parts
 
 
 def transformers_run(python, extra):
@@ -49,7 +53,8 @@ def transformers_run(python, extra):
     args = [python, os.path.join(HERE, "torch_llama.py"), "--steps", str(STEPS), "--warmup", str(WARMUP)] + \
         [a for k, v in s.items() for a in (f"--{k}", str(v))] + extra
     out, rss = peak_rss_of(args)
-    return json.loads(out.strip().splitlines()[-1])["ms_per_step"], rss
+    r = json.loads(out.strip().splitlines()[-1])
+    return r["ms_per_step"], rss, r
 
 
 def mib(b):
@@ -66,18 +71,22 @@ def main():
     settings = [  # (name, memtrain's keys, transformers' flags)
         ("fp32, full logits", ["--memory.head=plain"], []),
         ("fp32, activation checkpointing (every block)", ["--memory.head=plain", "--memory.recompute=all"], ["--checkpoint"]),
+        ("LoRA rank 8 on q_proj,v_proj (peft), base frozen", ["--memory.head=plain", "--lora.rank=8", "--lora.alpha=16",
+                                                             "--lora.targets=q_proj,v_proj"],
+         ["--lora_rank", "8", "--lora_targets", "q_proj,v_proj"]),
     ]
-    rows = []
+    rows, states = [], []
     with tempfile.TemporaryDirectory() as work:
         for name, ours, theirs in settings:
             m_ms, m_rss, t_ms, t_rss, counted = [], [], [], [], 0
             for r in range(a.rounds):
-                ms, rss, counted = memtrain(a.build, work, "llama", ours)
+                ms, rss, counted, m_parts = memtrain(a.build, work, "llama", ours)
                 m_ms.append(ms), m_rss.append(rss)
-                ms, rss = transformers_run(python, theirs)
+                ms, rss, t_parts = transformers_run(python, theirs)
                 t_ms.append(ms), t_rss.append(rss)
             mm, tm = statistics.median(m_ms), statistics.median(t_ms)
             rows.append((name, mm, tm, mm / tm, max(m_rss), max(t_rss), counted))
+            states.append((name, m_parts, t_parts))
             print(f"{name}: memtrain {mm:.1f} ms/step, transformers {tm:.1f} ms/step, ratio {mm / tm:.2f}; "
                   f"peak RSS {mib(max(m_rss))} vs {mib(max(t_rss))}; memtrain's counted tensor peak {mib(counted)}")
     import torch, transformers
@@ -100,6 +109,13 @@ def main():
     ]
     for name, mm, tm, ratio, mr, tr, counted in rows:
         lines.append(f"| {name} | {mm:.1f} | {tm:.1f} | {ratio:.2f}x | {mib(mr)} | {mib(tr)} | {mib(counted)} |")
+    lines += ["", "Optimizer state and gradient bytes when the optimizer steps (memtrain: its tracker; transformers: the "
+              "AdamW state's tensors and the `.grad` of what trains):", "",
+              "| setting | memtrain optimizer state | transformers optimizer state | memtrain gradients | transformers gradients |",
+              "|---|---|---|---|---|"]
+    for name, m, t in states:
+        lines.append(f"| {name} | {m['optimizer_state_bytes']:,} B | {t['optimizer_state_bytes']:,} B | "
+                     f"{m['grad_bytes']:,} B | {t['grad_bytes']:,} B |")
     open(a.out, "w").write("\n".join(lines) + "\n")
     print(f"wrote {a.out}")
 

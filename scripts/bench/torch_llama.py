@@ -20,6 +20,8 @@ def main():
                      steps=20, warmup=3, threads=0).items():
         ap.add_argument("--" + k, type=int, default=v)
     ap.add_argument("--checkpoint", action="store_true")
+    ap.add_argument("--lora_rank", type=int, default=0)       # peft LoRA on --lora_targets, the base frozen
+    ap.add_argument("--lora_targets", default="q_proj,v_proj")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -31,8 +33,14 @@ def main():
     model.train()
     if a.checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    if a.lora_rank:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=a.lora_rank, lora_alpha=2 * a.lora_rank, lora_dropout=0.0,
+                                                 target_modules=a.lora_targets.split(","), task_type="CAUSAL_LM"))
+        model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.dim() >= 2]
+    no_decay = [p for p in trainable if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=1e-4, betas=(0.9, 0.95), fused=True)
     g = torch.Generator().manual_seed(1)
@@ -45,12 +53,14 @@ def main():
         logits = model(input_ids=x).logits
         loss = F.cross_entropy(logits.reshape(-1, a.vocab).float(), y.reshape(-1))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         opt.step()
         loss.item()
         if step >= a.warmup:
             times.append(time.perf_counter() - t0)
-    print(json.dumps({"ms_per_step": 1000 * statistics.median(times),
+    state = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in trainable if p.grad is not None)
+    print(json.dumps({"ms_per_step": 1000 * statistics.median(times), "optimizer_state_bytes": state, "grad_bytes": grads,
                       "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                       "parameters": sum(p.numel() for p in model.parameters())}))
 

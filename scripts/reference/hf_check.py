@@ -5,6 +5,8 @@
     python hf_check.py val_loss FOLDER TOKENS T COUNT
         the mean cross-entropy over windows i = 0..COUNT-1 of a headerless uint16 token file: input
         tokens[iT : iT+T], target tokens[iT+1 : iT+T+1] (memtrain's validation windows); prints `val_loss L`
+    python hf_check.py peft_logits BASE ADAPTER TENSORS.safetensors
+        PeftModel.from_pretrained(from_pretrained(BASE), ADAPTER) on TENSORS' `input`; prints as `logits` does
     python hf_check.py pipeline FOLDER PROMPT N
         transformers' text-generation pipeline (the folder's own tokenizer), greedy, N new tokens; prints the text
         after `text: `
@@ -28,6 +30,12 @@ def main():
     torch.set_num_threads(1)
     what, folder = sys.argv[1], sys.argv[2]
     model = load(folder)
+    if what == "peft_logits":
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, sys.argv[3])
+        model.eval()
+        what = "logits"
+        sys.argv = sys.argv[:2] + sys.argv[3:]
     with torch.no_grad():
         if what == "logits":
             t = load_file(sys.argv[3])

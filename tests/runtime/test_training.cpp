@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include "helpers.h"
+#include "memtrain/core/files.h"
 #include <nlohmann/json.hpp>
 #include <cstring>
 #include <filesystem>
@@ -147,12 +148,31 @@ TEST(Accumulation, ActivationPeakScalesWithMicroBatch) {
 }
 
 // Every example config runs as documented: a few steps each (CUDA configs on a GPU only).
+// A config that starts from another example's export (model.init_from = runs/llama_austen_hf, the LoRA
+// example): that base is made here as the README makes it, 2 steps of llama_austen_bpe_cpu.ini exported.
+std::string example_base(const std::string& init_from) {
+  const auto dir = std::filesystem::path(test::run_root()) / "example-base";
+  const auto out = (dir / std::filesystem::path(init_from).filename()).string();
+  if (std::filesystem::exists(out)) return out;
+  int code = -1;
+  const auto log = test::shell(test::binary("memtrain") + " --config " + test::source("examples/configs/llama_austen_bpe_cpu.ini") +
+                                   " --train.steps=2 --train.warmup_steps=1 --train.eval_every=0 --log.progress=lines --log.dir=" +
+                                   dir.string() + " --log.name=base 2>&1 && " + test::binary("memtrain") +
+                                   " export --checkpoint " + (dir / "base" / "checkpoints").string() + " --out " + out + " 2>&1",
+                               &code);
+  EXPECT_EQ(code, 0) << log;
+  return out;
+}
+
 void run_examples(bool cuda) {
   int ran = 0;
   for (const auto& f : std::filesystem::directory_iterator(test::source("examples/configs"))) {
     if (f.path().extension() != ".ini") continue;
-    auto c = Config::load(f.path().string(), {"--train.steps=2", "--train.warmup_steps=1", "--train.eval_every=0",
-                                              "--log.dir=" + test::tiny_gpt_config().log.dir});
+    std::vector<std::string> overrides = {"--train.steps=2", "--train.warmup_steps=1", "--train.eval_every=0",
+                                          "--log.dir=" + test::tiny_gpt_config().log.dir};
+    const auto init_from = Config::ini_values(read_file_bytes(f.path().string()))["model.init_from"];
+    if (!init_from.empty() && !cuda) overrides.push_back("--model.init_from=" + example_base(init_from));
+    auto c = Config::load(f.path().string(), overrides);
     if ((c.train.device == "cuda") != cuda) continue;
     SCOPED_TRACE(f.path().filename().string());
     Trainer t(c);

@@ -128,6 +128,9 @@ struct TrainOptions {
   // A non-finite loss or gradient norm without fp16's scaler: skip the update, or stop the run.
   std::string on_nonfinite = "skip";  // skip | stop
   int64_t max_nonfinite = 5;       // consecutive skipped steps before the run stops anyway
+  // Parameters whose name matches this regular expression (ECMAScript, the whole name) do not train: no
+  // gradient, optimizer state or master copy. "" = none.
+  std::string freeze = "";
 };
 
 struct MemoryConfig {
@@ -178,6 +181,16 @@ struct CheckpointConfig {
   std::string resume = "";  // "" = start fresh | auto = the newest complete checkpoint, if any | a checkpoint folder
 };
 
+// Low-rank adapters (Hu et al. 2021, as Hugging Face peft makes them): beside each targeted linear map W,
+// trainable A (rank, in) and B (out, rank) add B A x alpha / rank; everything else is frozen.
+struct LoraConfig {
+  int64_t rank = 0;              // 0 = no adapters
+  double alpha = 16;             // the scale is alpha / rank
+  double dropout = 0.0;          // on the adapters' input
+  std::string targets = "";      // comma-separated module names: q_proj,v_proj (Llama) | c_attn (GPT)
+  std::string init_from = "";    // a peft adapter folder (adapter_config.json, adapter_model.safetensors)
+};
+
 struct Config {
   ModelConfig model;
   DataConfig data;
@@ -186,6 +199,7 @@ struct Config {
   DistConfig dist;
   LogConfig log;
   CheckpointConfig checkpoint;
+  LoraConfig lora;
   std::string source;  // the file it came from ("" if none)
   // The keys the file or the command line set (not left at their defaults).
   std::vector<std::string> given;

@@ -30,4 +30,18 @@ HuggingFaceModel model_from_hugging_face(const std::string& dir, const ModelConf
 // qwen2 with attn_bias = qkv.
 std::string hugging_face_config_json(const ModelConfig& m, const std::string& torch_dtype);
 
+// Reads a peft adapter folder's adapter_config.json (peft_type LORA): r, lora_alpha, lora_dropout and
+// target_modules into `base`'s rank, alpha, dropout and targets (`keys`: the "lora.*" keys it determined).
+// An option memtrain does not implement (DoRA, rsLoRA, trained biases, modules_to_save, a regex of targets)
+// is a ConfigError naming it.
+struct PeftAdapter {
+  LoraConfig config;
+  std::vector<std::string> keys;
+};
+PeftAdapter lora_from_peft(const std::string& dir, const LoraConfig& base);
+
+// The adapter_config.json peft's save_pretrained writes for these adapters on `base_model` (a folder or a
+// hub name; "" when unknown), for `model` (its name decides fan_in_fan_out: GPT-2's Conv1D layout).
+std::string peft_adapter_config_json(const LoraConfig& lora, const ModelConfig& model, const std::string& base_model);
+
 }  // namespace memtrain

@@ -83,4 +83,25 @@ std::vector<std::string> save_hugging_face(const std::string& dir, const ModelCo
                                            const std::map<std::string, torch::Tensor>& parameters,
                                            const HuggingFaceSaveOptions& options = {});
 
+// ---- peft adapters (LoRA) --------------------------------------------------------------------------
+
+// peft's checkpoint name of adapter parameter `parameter` of a model.name = `model`:
+// model.layers.0.self_attn.q_proj.lora_A -> base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight,
+// h.0.attn.c_attn.lora_B -> base_model.model.transformer.h.0.attn.c_attn.lora_B.weight.
+std::string peft_name(const std::string& model, const std::string& parameter);
+
+// Fills every adapter of `model` (add_lora made them) from DIR/adapter_model.safetensors: each present with
+// its shape, no tensor left over; otherwise a DataError naming the tensor, and nothing is copied.
+void load_lora_adapter(Model& model, const std::string& dir);
+
+// Writes a peft adapter folder: adapter_config.json and adapter_model.safetensors (fp32), from the adapters
+// by memtrain name. `dir`.partial renamed; an existing `dir` is refused. Returns the files written.
+std::vector<std::string> save_lora_adapter(const std::string& dir, const ModelConfig& model, const LoraConfig& lora,
+                                           const std::map<std::string, torch::Tensor>& adapters,
+                                           const std::string& base_model);
+
+// The parameters with every adapter merged into its base weight (W + B A scale, in memtrain's (out, in)
+// layout, in fp32) and the adapters removed: what a plain Hugging Face export of a LoRA run holds.
+std::map<std::string, torch::Tensor> merge_lora(const std::map<std::string, torch::Tensor>& parameters, double scale);
+
 }  // namespace memtrain

@@ -1,7 +1,8 @@
 // `memtrain export`: a training-state checkpoint (any world size, any ZeRO stage) to a Hugging Face folder
 // that transformers' from_pretrained loads: config.json, the weights in Hugging Face's names and layout
 // (sharded with model.safetensors.index.json above max_shard_bytes), and the tokenizer files of
-// model.init_from's folder when the run started from one.
+// model.init_from's folder when the run started from one. A LoRA run's checkpoint exports as a peft adapter
+// folder (PeftModel.from_pretrained on the base), or merged into a whole model.
 //
 //   memtrain::export_hugging_face({.checkpoint = "runs/llama/checkpoints", .out = "hf-out"});
 #pragma once
@@ -20,6 +21,9 @@ struct ExportOptions {
   std::string out;         // the folder to create (must not exist)
   c10::ScalarType dtype = torch::kFloat;              // stored dtype: float32 | bfloat16 | float16
   int64_t max_shard_bytes = 5LL * 1000 * 1000 * 1000;  // save_pretrained's default 5GB
+  // A LoRA run: false writes the peft adapter folder (adapter_config.json + adapter_model.safetensors);
+  // true the whole model with the adapters merged into their weights (W + B A alpha / rank).
+  bool merged = false;
 };
 
 struct ExportResult {

@@ -174,6 +174,7 @@ class Trainer {
   bool agree(bool ok) { return agreement().all(ok); }
   bool stop_requested();                            // a stop signal on any rank (collective)
   void load_init_from_shards();                     // model.init_from under ZeRO-3: this rank's part only
+  void setup_lora_and_freeze();                     // 0. LoRA's adapters; what does not train
   // fit()'s pieces: a save (its line in the report), traced; the end of the run.
   std::string save_reported(RunReport& report);    // the checkpoint's folder
   void finish(RunReport& report);
@@ -251,6 +252,10 @@ class Trainer {
   std::string run_dir_;
   std::string ckpt_dir_;
   std::vector<std::string> param_names_;  // of params_
+  // Parameters that do not train (train.freeze, or everything but LoRA's adapters), distinct: no gradient,
+  // optimizer state or master; whole on every rank (ZeRO-3 does not shard them yet); saved as frozen/<name>.
+  std::vector<torch::Tensor> frozen_;
+  std::vector<std::string> frozen_names_;
   int64_t step_ = 0;
   int64_t split_ = 1;
   int64_t nonfinite_run_ = 0;     // consecutive skipped non-finite steps

@@ -1,0 +1,294 @@
+// Frozen parameters and LoRA. Expected values come from Hugging Face peft (scripts/reference/peft_models.py:
+// adapters on transformers' tiny GPT-2 and Llama, their logits, loss, adapter gradients and merged weights;
+// hf_check.py: peft loading memtrain's exported adapter) and from arithmetic on element counts.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <regex>
+
+#include "helpers.h"
+#include "memtrain/core/config.h"
+#include "memtrain/core/safetensors.h"
+#include "memtrain/core/state_checkpoint.h"
+#include "memtrain/models/hugging_face.h"
+#include "memtrain/models/llama.h"
+#include "memtrain/models/lora.h"
+#include "memtrain/runtime/factories.h"
+#include "memtrain/runtime/trainer.h"
+
+namespace memtrain {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string hf(const std::string& name) { return test::fixture("hf/" + name); }
+
+LoraOptions lora_options(const Config& c) {
+  LoraOptions o{.rank = c.lora.rank, .alpha = c.lora.alpha, .dropout = c.lora.dropout, .targets = {}};
+  std::stringstream ss(c.lora.targets);
+  for (std::string t; std::getline(ss, t, ',');) o.targets.push_back(t);
+  return o;
+}
+
+// The base from its folder, with the adapters of `adapter` (their rank, alpha and targets from its config).
+std::shared_ptr<Model> adapted(const std::string& base, const std::string& adapter, Config* out = nullptr) {
+  const auto c = Config::load("", {"--model.init_from=" + base, "--lora.init_from=" + adapter, "--data.dataset=synthetic"});
+  auto model = make_model(c.model, DataInfo{.vocab_size = 97});
+  load_hugging_face_weights(*model, base);
+  add_lora(*model, lora_options(c));
+  load_lora_adapter(*model, adapter);
+  freeze_all_but_lora(*model);
+  if (out) *out = c;
+  return model;
+}
+
+class PeftParity : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(PeftParity, LossAndEveryAdapterGradientMatchPeft) {
+  const std::string name = GetParam();
+  const auto ref = load_safetensors(hf(name + "_lora.safetensors"));
+  Config c;
+  auto model = adapted(hf(name), hf(name + "_lora"), &c);
+  EXPECT_EQ(c.lora.rank, 4);
+  EXPECT_EQ(c.lora.alpha, 8);
+  auto logits = model->forward(ref.at("input"));
+  auto loss = model->loss(logits, ref.at("target"));
+  loss.backward();
+  EXPECT_LT(test::relative_error(logits, ref.at("logits")), 1e-5);
+  EXPECT_NEAR(loss.item<double>(), ref.at("loss").item<double>(), 1e-5);
+  size_t compared = 0, expected = 0;
+  for (const auto& [key, t] : ref) expected += key.starts_with("grad/");
+  for (const auto& item : model->named_parameters()) {
+    if (!item.value().requires_grad()) {
+      EXPECT_FALSE(item.value().grad().defined()) << item.key() << ": frozen, yet it has a gradient";
+      continue;
+    }
+    const auto peft = peft_name(c.model.name, item.key());
+    SCOPED_TRACE(item.key() + " as " + peft);
+    ASSERT_TRUE(ref.count("grad/" + peft));
+    EXPECT_LT(test::relative_error(item.value().grad(), ref.at("grad/" + peft)), 1e-5);
+    ++compared;
+  }
+  EXPECT_EQ(compared, expected);
+  EXPECT_EQ(compared, name == std::string("gpt2") ? 2u * 2 * 4 : 2u * 2 * 3);  // layers x (A, B) x targets
+}
+
+TEST_P(PeftParity, MergedWeightsArePeftsMergeAndUnload) {
+  const std::string name = GetParam();
+  const auto ref = load_safetensors(hf(name + "_lora.safetensors"));
+  Config c;
+  auto model = adapted(hf(name), hf(name + "_lora"), &c);
+  std::map<std::string, torch::Tensor> params;
+  for (const auto& item : model->named_parameters()) params[item.key()] = item.value().detach();
+  const auto merged = merge_lora(params, c.lora.alpha / static_cast<double>(c.lora.rank));
+  int checked = 0;
+  for (const auto& [key, want] : ref) {
+    if (!key.starts_with("merged/")) continue;
+    // peft's name -> memtrain's: GPT-2's transformer. prefix, and its Conv1D weights stored (in, out).
+    auto ours = key.substr(7);
+    const bool gpt = c.model.name == "gpt";
+    if (gpt) ours = ours.substr(std::string("transformer.").size());
+    if (!ours.ends_with(".weight")) continue;
+    ASSERT_TRUE(merged.count(ours)) << ours;
+    const auto& got = merged.at(ours);
+    EXPECT_LT((gpt ? got.t() : got).sub(want).abs().max().item<double>(), 1e-6) << ours;
+    ++checked;
+  }
+  EXPECT_EQ(checked, name == std::string("gpt2") ? 2 * 4 : 2 * 3);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, PeftParity, ::testing::Values("gpt2", "llama_gqa"),
+                         [](const auto& info) { return std::string(info.param); });
+
+TEST(Lora, FreshAdaptersLeaveTheBaseModelsOutputAndStartAsPeftDoes) {
+  auto c = Config::load("", {"--model.init_from=" + hf("llama_gqa"), "--data.dataset=synthetic"});
+  auto model = make_model(c.model, DataInfo{.vocab_size = 97});
+  load_hugging_face_weights(*model, hf("llama_gqa"));
+  torch::NoGradGuard no_grad;
+  auto input = torch::randint(0, 97, {2, 12}, torch::kLong);
+  const auto before = model->forward(input);
+  add_lora(*model, {.rank = 8, .alpha = 16, .targets = {"q_proj", "up_proj"}});
+  EXPECT_TRUE(torch::equal(model->forward(input), before));  // B = 0: the base's output exactly
+  for (const auto& item : model->named_parameters()) {
+    if (item.key().ends_with("lora_B")) {
+      EXPECT_EQ(item.value().abs().max().item<double>(), 0.0) << item.key();
+    }
+    if (item.key().ends_with("lora_A")) {
+      // Kaiming-uniform with a = sqrt 5: U(-1/sqrt(in), 1/sqrt(in)), in = 32.
+      EXPECT_LE(item.value().abs().max().item<double>(), 1 / std::sqrt(32.0)) << item.key();
+      EXPECT_GT(item.value().abs().max().item<double>(), 0.5 / std::sqrt(32.0)) << item.key();
+    }
+  }
+  const auto e = test::error_of([&] { add_lora(*model, {.rank = 2, .targets = {"qproj"}}); });
+  EXPECT_NE(e.find("'qproj' names no linear map"), std::string::npos) << e;
+  EXPECT_NE(e.find("q_proj"), std::string::npos) << e;
+}
+
+Config tiny_llama(std::vector<std::string> overrides) {
+  overrides.insert(overrides.begin(), {"--model.name=llama", "--model.n_layer=2", "--model.n_head=4", "--model.n_kv_head=2",
+                                       "--model.n_embd=32", "--model.block_size=16", "--data.dataset=synthetic",
+                                       "--train.steps=3", "--train.micro_batch=2", "--train.eval_every=0",
+                                       "--checkpoint.save_final=false", "--log.dir=" + test::run_root(),
+                                       "--log.overwrite=true", "--train.weight_decay=0.5"});
+  return Config::load("", overrides);
+}
+
+TEST(Lora, GradientsAndOptimizerStateAreTheAdaptersAlone) {
+  // By arithmetic: the adapters' elements (rank r on q_proj (32 -> 32) and v_proj (32 -> 16), 2 layers) in
+  // fp32: gradients 4 bytes each, AdamW's two moments 8; parameters every element, 4 bytes.
+  Trainer t(tiny_llama({"--lora.rank=4", "--lora.targets=q_proj,v_proj"}), World{});
+  const int64_t adapters = 2 * ((4 * 32 + 32 * 4) + (4 * 32 + 16 * 4));
+  int64_t all = 0;
+  for (const auto& p : t.model().parameters()) all += p.numel();
+  for (int s = 0; s < 2; ++s) t.step();
+  const auto& m = t.tracker().last().at(0);
+  EXPECT_EQ(m.grads_at_optimizer, 4 * adapters);
+  EXPECT_EQ(m.resident.optimizer_state, 8 * adapters);
+  EXPECT_EQ(m.resident.params, 4 * all);
+  // The estimate counts the same: parameters whole, state for the adapters only.
+  EXPECT_EQ(t.memory_estimate().device.optimizer_state, 8 * adapters);
+  EXPECT_EQ(t.memory_estimate().device.params, 4 * all);
+}
+
+TEST(Freeze, StateForWhatTrainsAloneAndFrozenWeightsNeverMove) {
+  const std::string pattern = "model\\.embed_tokens\\.weight|model\\.layers\\.0\\..*";
+  auto c = tiny_llama({"--train.freeze=" + pattern});
+  Trainer t(c, World{});
+  std::map<std::string, torch::Tensor> before;
+  int64_t trains = 0;
+  for (const auto& item : t.model().named_parameters()) {
+    before[item.key()] = item.value().detach().clone();
+    if (!std::regex_match(item.key(), std::regex(pattern))) trains += item.value().numel();
+  }
+  for (int s = 0; s < 3; ++s) t.step();
+  const auto& m = t.tracker().last().at(0);
+  EXPECT_EQ(m.grads_at_optimizer, 4 * trains);
+  EXPECT_EQ(m.resident.optimizer_state, 8 * trains);
+  int frozen = 0, moved = 0;
+  for (const auto& item : t.model().named_parameters()) {
+    const bool is_frozen = std::regex_match(item.key(), std::regex(pattern));
+    const bool same = torch::equal(item.value(), before.at(item.key()));
+    if (is_frozen) {
+      EXPECT_TRUE(same) << item.key() << " is frozen, yet it moved (weight decay 0.5)";
+      ++frozen;
+    } else {
+      moved += !same;
+    }
+  }
+  EXPECT_EQ(frozen, 1 + 9);  // the embedding and layer 0's nine tensors
+  EXPECT_GT(moved, 0);
+  for (const auto& bad : {std::string("nothing\\.here"), std::string(".*")}) {
+    const auto e = test::error_of([&] { Trainer(tiny_llama({"--train.freeze=" + bad}), World{}); });
+    EXPECT_NE(e.find(bad == ".*" ? "nothing would train" : "matches none"), std::string::npos) << e;
+  }
+  EXPECT_NE(test::error_of([] { tiny_llama({"--train.freeze=(unclosed"}); }).find("is not a regular expression"),
+            std::string::npos);
+}
+
+// A tiny Llama LoRA run through the binaries, from the llama_gqa folder, on a token file of random ids (the
+// same global batch however many ranks share it).
+std::string run(const test::TempDir& dir, int ranks, const std::string& name, const std::string& extra, int* code) {
+  const auto tokens = dir.path("tokens.bin");
+  if (!fs::exists(tokens)) {
+    torch::manual_seed(11);
+    auto ids = torch::randint(0, 97, {6000}, torch::kLong).to(torch::kShort);
+    std::ofstream(tokens, std::ios::binary).write(static_cast<const char*>(ids.data_ptr()), ids.numel() * 2);
+  }
+  const std::string cmd =
+      (ranks > 1 ? test::binary("memtrain-run") + " --standalone --nproc-per-node " + std::to_string(ranks) + " -- " : std::string()) +
+      test::binary("memtrain") + " --model.init_from=" + hf("llama_gqa") + " --data.tokens=" + tokens + " --data.token_format=raw --model.block_size=16"
+      " --train.steps=4 --train.warmup_steps=1 --train.eval_every=0 --log.every=1 --log.progress=lines"
+      " --train.weight_decay=0.5 --train.lr=1e-2 --train.micro_batch=" + std::to_string(4 / ranks) + " --log.dir=" + dir.path() +
+      " --log.name=" + name + " " + extra + " 2>&1";
+  return test::shell(cmd, code);
+}
+
+std::vector<double> losses(const test::TempDir& dir, const std::string& name) {
+  std::vector<double> out;
+  std::ifstream metrics(dir.path(name + "/metrics.jsonl"));
+  std::smatch m;
+  for (std::string line; std::getline(metrics, line);)
+    if (std::regex_search(line, m, std::regex("\"loss\":([^,}]+)"))) out.push_back(std::stod(m[1]));
+  return out;
+}
+
+TEST(Lora, EveryStageTrainsTheAdaptersAsOneProcessAndTheBaseNeverMoves) {
+  test::TempDir dir;
+  const std::string lora = "--lora.rank=4 --lora.targets=q_proj,v_proj,down_proj --memory.recompute=all";
+  int code = -1;
+  auto out = run(dir, 1, "one", lora, &code);
+  ASSERT_EQ(code, 0) << out;
+  const auto one = losses(dir, "one");
+  ASSERT_EQ(one.size(), 4u);
+  // The adapters trained: every B, zero at the start, has moved.
+  const auto trained = load_checkpoint(find_latest_checkpoint(dir.path("one/checkpoints")));
+  int b = 0;
+  for (const auto& [name, t] : trained.tensors)
+    if (name.ends_with(".lora_B")) {
+      EXPECT_GT(t.abs().max().item<double>(), 0) << name;
+      ++b;
+    }
+  EXPECT_EQ(b, 2 * 3);
+  for (int stage = 0; stage <= 3; ++stage) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    const auto name = "s" + std::to_string(stage);
+    out = run(dir, 2, name, lora + " --dist.zero_stage=" + std::to_string(stage), &code);
+    ASSERT_EQ(code, 0) << out;
+    const auto got = losses(dir, name);
+    ASSERT_EQ(got.size(), 4u);
+    for (size_t s = 0; s < 4; ++s) EXPECT_NEAR(got[s], one[s], 1e-5 * one[s]) << "step " << s + 1;
+    // The frozen base, saved whole as frozen/<name>: bitwise the folder's weights after 4 steps of weight decay.
+    const auto ck = load_checkpoint(find_latest_checkpoint(dir.path(name + "/checkpoints")));
+    auto model = make_model(Config::load("", {"--model.init_from=" + hf("llama_gqa")}).model, DataInfo{.vocab_size = 97});
+    load_hugging_face_weights(*model, hf("llama_gqa"));
+    int frozen = 0;
+    for (const auto& item : model->named_parameters()) {
+      auto it = ck.tensors.find("frozen/" + item.key());
+      ASSERT_NE(it, ck.tensors.end()) << item.key();
+      EXPECT_TRUE(torch::equal(it->second, item.value())) << item.key() << " moved";
+      ++frozen;
+    }
+    EXPECT_EQ(frozen, 21);
+  }
+}
+
+TEST(Lora, ExportedAdapterAndMergedModelLoadInPeftAndTransformersWithMemtrainsLogits) {
+  test::TempDir dir;
+  int code = -1;
+  auto out = run(dir, 1, "l", "--lora.rank=4 --lora.targets=q_proj,v_proj,down_proj", &code);
+  ASSERT_EQ(code, 0) << out;
+  const auto ckpt = dir.path("l/checkpoints");
+  out = test::shell(test::binary("memtrain") + " export --checkpoint " + ckpt + " --out " + dir.path("adapter") + " && " +
+                        test::binary("memtrain") + " export --merged --checkpoint " + ckpt + " --out " + dir.path("merged") +
+                        " 2>&1", &code);
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_TRUE(fs::exists(dir.path("adapter/adapter_config.json")));
+  // memtrain's logits from the trained weights (its own model.safetensors).
+  auto c = Config::load("", {"--model.init_from=" + hf("llama_gqa"), "--model.block_size=16"});
+  auto model = make_model(c.model, DataInfo{.vocab_size = 97});
+  add_lora(*model, {.rank = 4, .alpha = 16, .targets = {"q_proj", "v_proj", "down_proj"}});
+  load_module_state(*model, load_safetensors(ckpt + "/model.safetensors"), "model.safetensors");
+  torch::NoGradGuard no_grad;
+  model->eval();
+  auto input = torch::randint(0, 97, {2, 16}, torch::kLong);
+  save_safetensors(dir.path("logits.safetensors"), {{"input", input}, {"logits", model->forward(input)}});
+  auto number = [](const std::string& text, const std::string& label) {
+    std::smatch m;
+    return std::regex_search(text, m, std::regex(label + " ([-0-9.eE+]+)")) ? std::stod(m[1]) : NAN;
+  };
+  const auto check = [&](const std::string& args) {
+    return test::shell(std::string(MEMTRAIN_PYTHON) + " " + test::source("scripts/reference/hf_check.py") + " " + args + " 2>&1");
+  };
+  const auto peft = check("peft_logits " + hf("llama_gqa") + " " + dir.path("adapter") + " " + dir.path("logits.safetensors"));
+  EXPECT_LT(number(peft, "max_abs_diff"), 1e-5 * number(peft, "max_abs_ref")) << peft;
+  const auto merged = check("logits " + dir.path("merged") + " " + dir.path("logits.safetensors"));
+  EXPECT_LT(number(merged, "max_abs_diff"), 1e-5 * number(merged, "max_abs_ref")) << merged;
+  // The trained adapter continues a run: lora.init_from takes its rank, alpha and targets.
+  out = run(dir, 1, "again", "--train.steps=1 --lora.init_from=" + dir.path("adapter"), &code);
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("adapters from"), std::string::npos) << out;
+}
+
+}  // namespace
+}  // namespace memtrain
