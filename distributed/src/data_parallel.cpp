@@ -95,8 +95,12 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
   if (zero3) {
     MEMTRAIN_CHECK(options_.units.size() == named_params.size(), Error, "[dist] ZeRO stage 3 needs the unit of each of the ",
                    named_params.size(), " parameters; got ", options_.units.size());
-    const int64_t blocks = options_.units.empty() ? 0 : *std::max_element(options_.units.begin(), options_.units.end()) + 1;
+    MEMTRAIN_CHECK(options_.frozen_units.size() == options_.frozen.size(), Error, "[dist] ZeRO stage 3 needs the unit of each of the ",
+                   options_.frozen.size(), " frozen parameters; got ", options_.frozen_units.size());
+    int64_t blocks = options_.units.empty() ? 0 : *std::max_element(options_.units.begin(), options_.units.end()) + 1;
+    for (auto u : options_.frozen_units) blocks = std::max(blocks, u + 1);
     unit_buckets_.resize(static_cast<size_t>(blocks + 1));
+    unit_frozen_.resize(static_cast<size_t>(blocks + 1));
     for (int64_t u = blocks - 1; u >= -1; --u)
       for (size_t i = named_params.size(); i-- > 0;)
         if (options_.units[i] == u) order.push_back(i), unit_of[i] = u < 0 ? blocks : u;
@@ -184,6 +188,64 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
       (b.params[i].dim() >= 2 ? decay_ : no_decay_).push_back(seg);
     }
     attach_reduced(b);
+  }
+  // 2b. Stage 3, what does not train: the same packing per unit (last block first), flat storage replicated
+  //     from rank 0, this rank's part kept, the rest freed. No gradient, reduction or optimizer state.
+  if (zero3 && !options_.frozen.empty()) {
+    const int64_t blocks = static_cast<int64_t>(unit_buckets_.size()) - 1;
+    for (int64_t u = blocks - 1; u >= -1; --u) {
+      const auto unit = u < 0 ? blocks : u;
+      std::vector<size_t> mine;
+      for (size_t i = options_.frozen.size(); i-- > 0;)
+        if (options_.frozen_units[i] == u) mine.push_back(i);
+      Bucket* b = nullptr;
+      std::vector<size_t> members_of;
+      auto close = [&] {
+        if (!b) return;
+        b->size = (b->size + n - 1) / n * n;
+        b->shard = b->size / n;
+        b->flat = torch::zeros({b->size}, b->params.front().options().requires_grad(false));  // (size,) param dtype
+        torch::NoGradGuard no_grad;
+        const auto k = static_cast<int64_t>(frozen_buckets_.size() - 1);
+        for (size_t j = 0; j < b->params.size(); ++j) {
+          auto p = b->params[j];
+          auto view = b->flat.narrow(0, b->offsets[j], p.numel()).view(p.sizes());
+          view.copy_(p.detach());
+          p.set_data(view);
+          const auto& name = options_.frozen[members_of[j]].first;
+          frozen_index_.push_back({name, k, b->offsets[j], p.sizes().vec()});
+        }
+        group_->broadcast(b->flat, 0);
+        b->part = part(b->flat, rank, b->shard).clone();  // (shard,) param dtype: all that stays between uses
+        resize_storage(b->flat, 0);
+        const int64_t lo = rank * b->shard, hi = lo + b->shard;
+        for (size_t j = 0; j < b->params.size(); ++j) {
+          const int64_t from = std::max(lo, b->offsets[j]), to = std::min(hi, b->offsets[j] + b->params[j].numel());
+          if (from < to)
+            frozen_segments_.push_back({options_.frozen[members_of[j]].first, from - b->offsets[j], to - b->offsets[j],
+                                        b->part.narrow(0, from - lo, to - from)});
+        }
+        b = nullptr;
+        members_of.clear();
+      };
+      for (auto i : mine) {
+        const auto& p = options_.frozen[i].second;
+        MEMTRAIN_CHECK(p.device() == device, Error, "[dist] parameter '", options_.frozen[i].first, "' is on ", p.device(),
+                       ", the others on ", device);
+        if (!b || b->params.front().scalar_type() != p.scalar_type() || b->size * p.element_size() >= bucket_bytes) {
+          close();
+          frozen_buckets_.push_back(std::make_unique<Bucket>());
+          b = frozen_buckets_.back().get();
+          b->unit = unit;
+          unit_frozen_[static_cast<size_t>(unit)].push_back(frozen_buckets_.size() - 1);
+        }
+        b->offsets.push_back(b->size);
+        b->size += p.numel();
+        b->params.push_back(p);
+        members_of.push_back(i);
+      }
+      close();
+    }
   }
   bytes_uncounted_ = group_->bytes_communicated();  // the initial broadcast is not a training step's traffic
   backward_prefetched_.assign(unit_buckets_.size(), false);  // a backward outside a micro-batch (a probe) uses it too
@@ -456,6 +518,8 @@ ResidentBytes DataParallel::resident(const std::vector<torch::Tensor>& optimizer
       r.grads += bytes(b->reduced);
     }
   }
+  for (const auto& b : frozen_buckets_)  // stage 3's frozen parts, and their full storage while gathered
+    r.params += bytes(b->part) + (b->flat.device() == device ? static_cast<int64_t>(b->flat.storage().nbytes()) : 0);
   for (const auto& s : optimizer_state) r.optimizer_state += bytes(s);
   return r;
 }
@@ -468,38 +532,42 @@ std::string DataParallel::describe() const {
      << buckets_.size() << " buckets of <= " << options_.bucket_mib << " MiB (" << elems << " elements), reduce "
      << (options_.reduce_every_micro_batch ? "every micro-batch" : "after the last micro-batch");
   if (options_.stage == 3) os << "; parameters gathered per unit (" << num_units() - 1 << " blocks + root), prefetch " << options_.prefetch;
+  if (!frozen_buckets_.empty()) os << "; " << frozen_buckets_.size() << " buckets of frozen parameters, sharded the same way";
   if (options_.offload) os << "; optimizer offloaded to " << (device_.is_cuda() ? "pinned " : "") << "host memory";
   return os.str();
 }
 
+void DataParallel::gather_bucket(Bucket& b) {
+  if (b.gathered) return;
+  // resize_storage swaps the storage's memory: a gather still writing into it would write into freed memory.
+  // release() waits for a bucket's gather before it frees, so none can be pending here.
+  TORCH_INTERNAL_ASSERT(!b.gather.pending(), "stage 3: a bucket is gathered again while its last gather is pending");
+  const auto bytes = static_cast<size_t>(b.size) * b.flat.element_size();
+  resize_storage(b.flat, bytes);
+  if (b.flat.is_cpu()) cpu_memory::mark(b.flat.storage().data(), cpu_memory::Kind::kGathered);
+  gathered_bytes_ += static_cast<int64_t>(bytes);
+  peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
+  b.gathered = true;
+  // The gather writes the parameters' storage behind autograd's back: what a forward saved of them is
+  // the same values again, so their version counter is put back as it was (FSDP does the same).
+  b.version_before_gather = torch::autograd::impl::version_counter(b.flat).current_version();
+  b.gather = group_->all_gather_async(b.flat, b.part);
+}
+
 void DataParallel::gather_unit(int64_t unit) {
   torch::NoGradGuard no_grad;
-  for (auto k : unit_buckets_[static_cast<size_t>(unit)]) {
-    auto& b = *buckets_[k];
-    if (b.gathered) continue;
-    // resize_storage swaps the storage's memory: a gather still writing into it would write into freed memory.
-    // release() waits for a bucket's gather before it frees, so none can be pending here.
-    TORCH_INTERNAL_ASSERT(!b.gather.pending(), "stage 3: bucket ", k, " is gathered again while its last gather is pending");
-    const auto bytes = static_cast<size_t>(b.size) * b.flat.element_size();
-    resize_storage(b.flat, bytes);
-    if (b.flat.is_cpu()) cpu_memory::mark(b.flat.storage().data(), cpu_memory::Kind::kGathered);
-    gathered_bytes_ += static_cast<int64_t>(bytes);
-    peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
-    b.gathered = true;
-    // The gather writes the parameters' storage behind autograd's back: what a forward saved of them is
-    // the same values again, so their version counter is put back as it was (FSDP does the same).
-    b.version_before_gather = torch::autograd::impl::version_counter(b.flat).current_version();
-    b.gather = group_->all_gather_async(b.flat, b.part);
-  }
+  for (auto k : unit_buckets_[static_cast<size_t>(unit)]) gather_bucket(*buckets_[k]);
+  for (auto k : unit_frozen_[static_cast<size_t>(unit)]) gather_bucket(*frozen_buckets_[k]);
 }
 
 void DataParallel::wait_unit(int64_t unit) {
-  for (auto k : unit_buckets_[static_cast<size_t>(unit)]) {
-    auto& b = *buckets_[k];
-    if (!b.gather.pending()) continue;
+  auto wait = [](Bucket& b) {
+    if (!b.gather.pending()) return;
     b.gather.wait();
     restore_version(b.flat, b.version_before_gather);
-  }
+  };
+  for (auto k : unit_buckets_[static_cast<size_t>(unit)]) wait(*buckets_[k]);
+  for (auto k : unit_frozen_[static_cast<size_t>(unit)]) wait(*frozen_buckets_[k]);
 }
 
 void DataParallel::release(Bucket& b) {
@@ -532,12 +600,17 @@ void DataParallel::before_block(int64_t i) {
 void DataParallel::after_block(int64_t i) {
   if (options_.stage != 3) return;
   for (auto k : unit_buckets_[static_cast<size_t>(i)]) release(*buckets_[k]);
+  for (auto k : unit_frozen_[static_cast<size_t>(i)]) release(*frozen_buckets_[k]);
 }
 
 void DataParallel::before_block_backward(int64_t i) {
   if (options_.stage != 3) return;
+  // Block i + 1's backward has produced block i's output gradient: its input gradient no longer needs its
+  // frozen weights (its trainable ones are freed as their gradients complete).
+  if (i + 1 < num_units() - 1)
+    for (auto k : unit_frozen_[static_cast<size_t>(i + 1)]) release(*frozen_buckets_[k]);
   gather_unit(i);  // already in flight when block i + 1 prefetched it
-  if (unit_buckets_[static_cast<size_t>(i)].size() == 1) prefetch_backward(i);  // else: at its first bucket's end
+  if (unit_buckets_[static_cast<size_t>(i)].size() <= 1) prefetch_backward(i);  // else: at its first bucket's end
   wait_unit(i);
 }
 
@@ -571,6 +644,16 @@ std::map<std::string, torch::Tensor> DataParallel::full_parameters(bool keep) {
             }
         release(*buckets_[k]);
       }
+      for (auto k : unit_frozen_[static_cast<size_t>(u)]) {
+        if (keep)
+          for (const auto& slot : frozen_index_)
+            if (slot.bucket == static_cast<int64_t>(k)) {
+              const int64_t numel = c10::multiply_integers(slot.shape);
+              out[slot.name] = frozen_buckets_[k]->flat.narrow(0, slot.offset, numel).view(slot.shape).to(
+                  torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
+            }
+        release(*frozen_buckets_[k]);
+      }
     }
   });
   return out;
@@ -579,6 +662,7 @@ std::map<std::string, torch::Tensor> DataParallel::full_parameters(bool keep) {
 void DataParallel::release_all() {
   if (options_.stage != 3) return;
   for (auto& b : buckets_) release(*b);
+  for (auto& b : frozen_buckets_) release(*b);
   backward_prefetched_.assign(unit_buckets_.size(), false);
 }
 

@@ -51,7 +51,7 @@ MemoryEstimate estimate_memory(const EstimateInputs& in) {
     dev.params = (p + in.frozen_elements) * pb;
     dev.optimizer_state = in.state_bytes * p + (in.master_weights ? 4 * p : 0);
   } else {
-    dev.params = ((in.stage == 3 ? part : p) + in.frozen_elements) * pb;
+    dev.params = (in.stage == 3 ? part + (in.frozen_elements + n - 1) / n : p + in.frozen_elements) * pb;
     // Full-size gradient buckets stay allocated in stages 0 and 1 (views the backward accumulates into);
     // stage 1 also holds this rank's reduced part (offload: beside the optimizer state). In stages 2-3 it
     // exists only from the bucket's first reduction to the optimizer step: not at the activation peak (the
@@ -85,10 +85,13 @@ MemoryEstimate estimate_memory(const EstimateInputs& in) {
     }
     if (in.stage == 3) {
       // The root for the whole step, and the 1 + prefetch largest blocks at once.
+      // What does not train is gathered with its unit.
       auto sizes = in.block_elements;
+      for (size_t b = 0; b < in.frozen_block_elements.size() && b < sizes.size(); ++b) sizes[b] += in.frozen_block_elements[b];
       std::sort(sizes.begin(), sizes.end(), std::greater<>());
       const auto held = std::min<int64_t>(1 + in.prefetch, static_cast<int64_t>(sizes.size()));
-      dev.gathered = (in.root_elements + std::accumulate(sizes.begin(), sizes.begin() + held, int64_t{0})) * pb;
+      dev.gathered = (in.root_elements + in.frozen_root_elements +
+                      std::accumulate(sizes.begin(), sizes.begin() + held, int64_t{0})) * pb;
     }
   }
   (in.cuda ? host : dev).data = in.data_bytes;

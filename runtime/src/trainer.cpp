@@ -93,8 +93,12 @@ void Trainer::load_init_from_shards() {
       if (!is_lora_parameter(seg.name)) seg.stepped.copy_(weights.read(seg.name, seg.begin, seg.end));
     dp_->parameters_from_stepped();
     // What does not train is not in the buckets: whole on every rank.
-    for (size_t i = 0; i < frozen_.size(); ++i)
-      frozen_[i].copy_(weights.read(frozen_names_[i], 0, frozen_[i].numel()).view(frozen_[i].sizes()));
+    if (frozen_sharded()) {
+      for (const auto& seg : dp_->frozen_segments()) seg.stepped.copy_(weights.read(seg.name, seg.begin, seg.end));
+    } else {
+      for (size_t i = 0; i < frozen_.size(); ++i)
+        frozen_[i].copy_(weights.read(frozen_names_[i], 0, frozen_[i].numel()).view(frozen_[i].sizes()));
+    }
   }
   const int64_t added = cpu_memory::peak() - resident;
   std::cout << "init_from:  " << config_.model.init_from << ": rank " << world_.rank << " read "
@@ -519,6 +523,8 @@ void Trainer::save_weights(const std::string& path) {
   std::map<const void*, torch::Tensor> by_impl;
   for (size_t i = 0; i < params_.size(); ++i)
     if (auto it = full.find(param_names_[i]); it != full.end()) by_impl[params_[i].unsafeGetTensorImpl()] = it->second;
+  for (size_t i = 0; i < frozen_.size(); ++i)
+    if (auto it = full.find(frozen_names_[i]); it != full.end()) by_impl[frozen_[i].unsafeGetTensorImpl()] = it->second;
   std::map<std::string, torch::Tensor> tensors;
   for (const auto& item : model_->named_parameters()) {
     auto it = by_impl.find(item.value().unsafeGetTensorImpl());

@@ -312,7 +312,13 @@ EstimateInputs Trainer::estimate_inputs(int world) const {
   in.block_elements.assign(static_cast<size_t>(model_->num_blocks()), 0);
   for (size_t i = 0; i < params_.size(); ++i)
     (units_[i] < 0 ? in.root_elements : in.block_elements[static_cast<size_t>(units_[i])]) += params_[i].numel();
-  for (const auto& f : frozen_) in.frozen_elements += f.numel();
+  in.frozen_block_elements.assign(in.block_elements.size(), 0);
+  for (size_t i = 0; i < frozen_.size(); ++i) {
+    in.frozen_elements += frozen_[i].numel();
+    const auto u = i < frozen_units_.size() ? frozen_units_[i] : -1;
+    (u < 0 || static_cast<size_t>(u) >= in.frozen_block_elements.size() ? in.frozen_root_elements
+                                                                         : in.frozen_block_elements[static_cast<size_t>(u)]) += frozen_[i].numel();
+  }
   in.param_bytes = param_dtype_ == torch::kFloat ? 4 : 2;
   in.master_weights = param_dtype_ != torch::kFloat;
   const auto& opt = config_.train.optimizer;

@@ -173,6 +173,10 @@ void Trainer::setup_units() {
     auto it = unit.find(p.unsafeGetTensorImpl());
     units_.push_back(it == unit.end() ? -1 : it->second);
   }
+  for (const auto& p : frozen_) {
+    auto it = unit.find(p.unsafeGetTensorImpl());
+    frozen_units_.push_back(it == unit.end() ? -1 : it->second);
+  }
 }
 
 void Trainer::setup_group() {
@@ -214,7 +218,11 @@ void Trainer::setup_data_parallel() {
     group_ = ProcessGroup::create(world_, {.backend = d.backend, .timeout = std::chrono::seconds(d.timeout_s), .device = device_});
   std::vector<std::pair<std::string, torch::Tensor>> named;
   for (size_t i = 0; i < params_.size(); ++i) named.emplace_back(param_names_[i], params_[i]);
-  dp_ = std::make_unique<DataParallel>(group_, named, data_parallel_options(config_, param_dtype_ != torch::kFloat, units_));
+  auto options = data_parallel_options(config_, param_dtype_ != torch::kFloat, units_);
+  if (options.stage == 3)  // what does not train is sharded too (gathered per unit, no gradient or state)
+    for (size_t i = 0; i < frozen_.size(); ++i)
+      options.frozen.emplace_back(frozen_names_[i], frozen_[i]), options.frozen_units.push_back(frozen_units_[i]);
+  dp_ = std::make_unique<DataParallel>(group_, named, options);
   if (d.zero_stage == 3) block_hooks_ = std::make_unique<GatherBlocks>(*dp_);
   optimizer_ = make_optimizer(optimizer_options(config_.train), dp_->decay_tensors(), dp_->no_decay_tensors());
   sync_buffers();  // an embedder's model may start with other statistics on each rank
@@ -255,7 +263,7 @@ void Trainer::setup_tracker() {
       for (const auto& m : master_) state.push_back(m), state.push_back(m.grad());
       r = resident_bytes(params_, state, d);
     }
-    r.params += resident_bytes(frozen_, {}, d).params;  // what does not train: its bytes, no gradient or state
+    if (!frozen_sharded()) r.params += resident_bytes(frozen_, {}, d).params;  // what does not train: bytes only
     if (d.is_cpu()) r.data = data_->resident_bytes();  // datasets live in host memory
     return r;
   });

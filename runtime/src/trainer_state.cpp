@@ -64,9 +64,15 @@ std::vector<ShardPiece> Trainer::state_pieces() const {
       add_state(param_names_[i], value, value.sizes().vec(), 0, value.numel());
     }
   }
+  if (frozen_sharded()) {  // ZeRO-3: each rank its part of what does not train
+    std::map<std::string, std::vector<int64_t>> shapes;
+    for (const auto& slot : dp_->frozen_index()) shapes[slot.name] = slot.shape;
+    for (const auto& seg : dp_->frozen_segments()) add("frozen/" + seg.name, seg.stepped, shapes.at(seg.name), seg.begin, seg.end);
+  }
   if (world_.is_main()) {
-    for (size_t i = 0; i < frozen_.size(); ++i)  // what does not train: whole, once
-      add("frozen/" + frozen_names_[i], frozen_[i], frozen_[i].sizes().vec(), 0, frozen_[i].numel());
+    if (!frozen_sharded())
+      for (size_t i = 0; i < frozen_.size(); ++i)  // what does not train: whole, once
+        add("frozen/" + frozen_names_[i], frozen_[i], frozen_[i].sizes().vec(), 0, frozen_[i].numel());
     for (const auto& item : model_->named_buffers())
       add("buffer/" + item.key(), item.value(), item.value().sizes().vec(), 0, item.value().numel());
     if (scaler_) {
@@ -237,7 +243,12 @@ void Trainer::load_checkpoint(const std::string& path) {
     }
   }
   for (auto& [name, b] : buffers) b.copy_(T.at("buffer/" + name));
-  for (size_t i = 0; i < frozen_.size(); ++i) frozen_[i].copy_(T.at("frozen/" + frozen_names_[i]));
+  if (frozen_sharded()) {
+    for (const auto& seg : dp_->frozen_segments())
+      seg.stepped.copy_(T.at("frozen/" + seg.name).reshape({-1}).slice(0, seg.begin, seg.end));
+  } else {
+    for (size_t i = 0; i < frozen_.size(); ++i) frozen_[i].copy_(T.at("frozen/" + frozen_names_[i]));
+  }
   if (scaler_ && T.count("scaler/scale") && T.count("scaler/growth_tracker"))
     scaler_->load_state(T.at("scaler/scale"), T.at("scaler/growth_tracker"));
   if (!plan.empty() && policy_.mode == RecomputePolicy::Mode::kBudget) {

@@ -238,6 +238,19 @@ TEST(Lora, EveryStageTrainsTheAdaptersAsOneProcessAndTheBaseNeverMoves) {
     const auto got = losses(dir, name);
     ASSERT_EQ(got.size(), 4u);
     for (size_t s = 0; s < 4; ++s) EXPECT_NEAR(got[s], one[s], 1e-5 * one[s]) << "step " << s + 1;
+    // Parameter bytes a rank holds between steps (its tracker): every element in stages 0-2; in stage 3 half of
+    // them, the frozen base included (each bucket padded to a multiple of 2 ranks: at most 4 bytes per bucket).
+    std::ifstream memory(dir.path(name + "/memory.rank0.jsonl"));
+    std::string last;
+    for (std::string line; std::getline(memory, line);) last = line;
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(last, m, std::regex("\"params\":([0-9]+)"))) << last;
+    const int64_t held = std::stoll(m[1]);
+    // The base: 26,336 fp32 elements (its safetensors' 105,344 tensor bytes); the adapters, rank 4 on q_proj
+    // (32 -> 32), v_proj (32 -> 16) and down_proj (72 -> 32) in 2 layers: 2 x 864.
+    const int64_t all = 4 * (26336 + 2 * (4 * 32 + 32 * 4 + 4 * 32 + 16 * 4 + 4 * 72 + 32 * 4));
+    if (stage < 3) EXPECT_EQ(held, all) << last;
+    else EXPECT_LE(held, all / 2 + 4 * 64) << last;
     // The frozen base, saved whole as frozen/<name>: bitwise the folder's weights after 4 steps of weight decay.
     const auto ck = load_checkpoint(find_latest_checkpoint(dir.path(name + "/checkpoints")));
     auto model = make_model(Config::load("", {"--model.init_from=" + hf("llama_gqa")}).model, DataInfo{.vocab_size = 97});

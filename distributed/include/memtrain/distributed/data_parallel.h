@@ -22,7 +22,10 @@
 //            bucket has its gradient (backward). The root stays gathered from the forward's start to the
 //            end of its backward. Parameters keep their TensorImpl and even their StorageImpl: the storage
 //            is resized to zero bytes and back (as PyTorch's FSDP1 does), so autograd's saved tensors, the
-//            checkpoint function's parameter list and every view follow it.
+//            checkpoint function's parameter list and every view follow it. Parameters that do not train
+//            (options.frozen: train.freeze, LoRA's base) are sharded and gathered per unit the same way, in
+//            buckets of their own with no gradient, reduction or optimizer state; in backward a unit's frozen
+//            buckets are freed when the block before it receives its output gradient.
 //
 // Offload (stages 1-3): the stepped part (fp32 masters, or a copy of the parameters' part), its reduced
 // gradient and hence the optimizer state live in host memory (pinned on CUDA). Each reduced gradient is
@@ -62,6 +65,12 @@ struct DataParallelOptions {
   // lies outside the blocks, and any parameter used by two units). Reductions run after every micro-batch.
   std::vector<int64_t> units = {};
   int64_t prefetch = 1;               // stage 3: units gathered ahead of the one running (forward and backward)
+  // Stage 3: parameters that do not train (train.freeze, LoRA's base) and their units. They are sharded and
+  // gathered per unit as the others are, in buckets of their own that have no gradient, reduction or
+  // optimizer state; a unit's are freed after its forward and once the backward has passed it. Other stages
+  // leave them whole in the model.
+  std::vector<std::pair<std::string, torch::Tensor>> frozen = {};
+  std::vector<int64_t> frozen_units = {};
   bool offload = false;               // stages 1-3: the stepped part and its optimizer state in host memory
 };
 
@@ -99,6 +108,10 @@ class DataParallel {
   const std::vector<torch::Tensor>& no_decay_tensors() const { return no_decay_; }
   std::vector<torch::Tensor> stepped_tensors() const;  // both lists
   const std::vector<SteppedSegment>& segments() const { return segments_; }
+  // Stage 3: this rank's part of each frozen parameter (`stepped`: a view of its kept part); empty otherwise.
+  const std::vector<SteppedSegment>& frozen_segments() const { return frozen_segments_; }
+  // Stage 3: the frozen parameters' full shapes by name.
+  const std::vector<ParamSlot>& frozen_index() const { return frozen_index_; }
   int stage() const { return options_.stage; }
   int world_size() const { return group_->size(); }
 
@@ -193,6 +206,13 @@ class DataParallel {
   int64_t bytes_uncounted_ = 0;  // of which outside the step (broadcast at start, evaluation, losses)
   c10::Device device_ = c10::kCPU;
   std::vector<std::vector<size_t>> unit_buckets_;  // stage 3: per unit (blocks 0..U-1, then the root), its buckets
+  // Stage 3, what does not train: buckets with parameters only (no gradient, reduction or stepped part),
+  // per unit, their index and this rank's parts.
+  std::vector<std::unique_ptr<Bucket>> frozen_buckets_;
+  std::vector<std::vector<size_t>> unit_frozen_;
+  std::vector<ParamSlot> frozen_index_;
+  std::vector<SteppedSegment> frozen_segments_;
+  void gather_bucket(Bucket& b);
   std::vector<bool> backward_prefetched_;          // stage 3: per unit, this backward's prefetch issued
   int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
 };

@@ -37,8 +37,11 @@ struct EstimateInputs {
   // (embeddings, final norm, head, and parameters two blocks share: the root unit).
   std::vector<int64_t> block_elements;
   int64_t root_elements = 0;
-  // Parameters that do not train (train.freeze, LoRA's base): their bytes only, whole on every rank.
+  // Parameters that do not train (train.freeze, LoRA's base): their bytes only; whole on every rank, but
+  // sharded and gathered per unit in stage 3 (each block's, and the root's).
   int64_t frozen_elements = 0;
+  std::vector<int64_t> frozen_block_elements;
+  int64_t frozen_root_elements = 0;
   int64_t param_bytes = 4;            // per element: 4 fp32, 2 bf16 (train.param_dtype)
   bool master_weights = false;        // bf16 parameters stepped through fp32 masters
   int64_t state_bytes = 8;            // optimizer state per stepped element: AdamW 8 (two fp32 moments), SGD 4 or 0

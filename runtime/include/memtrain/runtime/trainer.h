@@ -253,7 +253,7 @@ class Trainer {
   std::string ckpt_dir_;
   std::vector<std::string> param_names_;  // of params_
   // Parameters that do not train (train.freeze, or everything but LoRA's adapters), distinct: no gradient,
-  // optimizer state or master; whole on every rank (ZeRO-3 does not shard them yet); saved as frozen/<name>.
+  // optimizer state or master; whole on every rank, except under ZeRO-3, which shards them too; saved as frozen/<name>.
   std::vector<torch::Tensor> frozen_;
   std::vector<std::string> frozen_names_;
   int64_t step_ = 0;
@@ -264,6 +264,9 @@ class Trainer {
   FloatingBuffers buffer_backup_;  // floating buffers at the step's start (out-of-memory retries)
   std::string resumed_from_;
   std::vector<int64_t> units_;        // per params_ entry: its block, or -1 (the root: outside every block, or shared)
+  std::vector<int64_t> frozen_units_; // per frozen_ entry, the same
+  // Whether DataParallel holds the frozen parameters (ZeRO-3 shards them; other stages leave them whole here).
+  bool frozen_sharded() const { return dp_ && !dp_->frozen_segments().empty(); }
   MemoryEstimate estimate_;
   std::vector<PlanCandidate> plan_candidates_;  // memory.budget_mib: every setting estimated
   int64_t plan_budget_ = 0;
