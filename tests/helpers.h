@@ -15,7 +15,9 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <string>
+#include <vector>
 
 #include "memtrain/core/config.h"
 #include "memtrain/core/safetensors.h"
@@ -147,6 +149,16 @@ inline std::string wait_for_line(const std::string& file, const std::string& lin
 inline std::string wait_at_most(const std::string& pid, int seconds) {
   return "timeout " + std::to_string(seconds) + " tail --pid=" + pid + " -s 0.1 -f /dev/null; kill -9 " + pid +
          " 2>/dev/null; wait " + pid;
+}
+
+// The "loss" of each line of a run's metrics.jsonl, in order (a resumed run's lines appended).
+inline std::vector<double> metric_losses(const std::string& metrics_jsonl) {
+  std::vector<double> out;
+  std::ifstream in(metrics_jsonl);
+  std::smatch m;
+  for (std::string line; std::getline(in, line);)
+    if (std::regex_search(line, m, std::regex("\"loss\":([^,}]+)"))) out.push_back(std::stod(m[1]));
+  return out;
 }
 
 // max |a - b| / (max |b| + tiny): a scale-free distance for comparing gradients.

@@ -484,49 +484,46 @@ Config Config::load(const std::string& path, const std::vector<std::string>& raw
   };
   auto given = [&](const std::string& key) { return vm.count(key) && !vm[key].defaulted(); };
 
-  for (const auto& e : all)
-    if (given(e.key)) c.given.push_back(e.key);
-  // model.init_from: config.json sets the name and shape; a key also given here must say the same.
+  // A folder that sets keys (model.init_from's config.json, lora.init_from's adapter_config.json): a key also
+  // given here must say the same, compared as `canonical` shows it.
+  auto must_agree = [&](const Config& from_folder, const std::vector<std::string>& keys, const std::string& source,
+                        const std::string& file, const std::function<std::string(const std::string&)>& canonical) {
+    auto theirs = entries(const_cast<Config&>(from_folder));
+    for (size_t i = 0; i < all.size(); ++i) {
+      const auto& key = all[i].key;
+      if (!given(key) || std::find(keys.begin(), keys.end(), key) == keys.end()) continue;
+      MEMTRAIN_CHECK(canonical(all[i].show()) == canonical(theirs[i].show()), ConfigError, "[config] ", key, " = ",
+                     all[i].show(), " (", origin(key), ") disagrees with ", source, ", whose ", file, " makes it ",
+                     theirs[i].show(), ": remove ", key);
+    }
+  };
+  // model.init_from: config.json sets the name and shape.
   if (!c.model.init_from.empty()) {
     auto hf = model_from_hugging_face(c.model.init_from, c.model);
     Config from_folder = c;
     from_folder.model = hf.config;
-    auto theirs = entries(from_folder);
-    for (size_t i = 0; i < all.size(); ++i) {
-      const auto& key = all[i].key;
-      if (!given(key) || std::find(hf.keys.begin(), hf.keys.end(), key) == hf.keys.end()) continue;
-      MEMTRAIN_CHECK(all[i].show() == theirs[i].show(), ConfigError, "[config] ", key, " = ", all[i].show(), " (",
-                     origin(key), ") disagrees with model.init_from = ", c.model.init_from, ", whose config.json makes it ",
-                     theirs[i].show(), ": remove ", key, " (the folder's model_type ", hf.model_type, " sets it)");
-    }
+    must_agree(from_folder, hf.keys, "model.init_from = " + c.model.init_from,
+               "config.json (model_type " + hf.model_type + ")", [](const std::string& v) { return v; });
     c.model = hf.config;
     // The default context, when it is more than the model was made for (a tiny test model), is the model's.
     if (!given("model.block_size") && c.model.max_positions > 0 && c.model.block_size > c.model.max_positions)
       c.model.block_size = c.model.max_positions;
   }
-
-  // lora.init_from: adapter_config.json sets the rank, alpha, dropout and targets; a key also given must agree.
+  // lora.init_from: adapter_config.json sets the rank, alpha, dropout and targets (targets in any order).
   if (!c.lora.init_from.empty()) {
     auto peft = lora_from_peft(c.lora.init_from, c.lora);
     Config from_folder = c;
     from_folder.lora = peft.config;
-    auto theirs = entries(from_folder);
-    for (size_t i = 0; i < all.size(); ++i) {
-      const auto& key = all[i].key;
-      if (!given(key) || std::find(peft.keys.begin(), peft.keys.end(), key) == peft.keys.end()) continue;
-      auto normalized = [](std::string v) {  // targets in any order
-        std::vector<std::string> parts;
-        std::stringstream ss(v);
-        for (std::string t; std::getline(ss, t, ',');) parts.push_back(t);
-        std::sort(parts.begin(), parts.end());
-        std::string out;
-        for (const auto& t : parts) out += (out.empty() ? "" : ",") + t;
-        return out;
-      };
-      MEMTRAIN_CHECK(normalized(all[i].show()) == normalized(theirs[i].show()), ConfigError, "[config] ", key, " = ",
-                     all[i].show(), " (", origin(key), ") disagrees with lora.init_from = ", c.lora.init_from,
-                     ", whose adapter_config.json makes it ", theirs[i].show(), ": remove ", key);
-    }
+    must_agree(from_folder, peft.keys, "lora.init_from = " + c.lora.init_from, "adapter_config.json",
+               [](const std::string& v) {
+                 LoraConfig listed;
+                 listed.targets = v;
+                 auto names = lora_targets(listed);
+                 std::sort(names.begin(), names.end());
+                 std::string out;
+                 for (const auto& t : names) out += (out.empty() ? "" : ",") + t;
+                 return out;
+               });
     c.lora = peft.config;
   }
 
@@ -725,6 +722,19 @@ std::optional<RopeScalingValues> parse_rope_scaling(const std::string& value) {
                  "' is invalid: expected none or llama3:FACTOR:LOW_FREQ_FACTOR:HIGH_FREQ_FACTOR:ORIGINAL_CONTEXT with "
                  "positive numbers, HIGH_FREQ_FACTOR > LOW_FREQ_FACTOR and a whole ORIGINAL_CONTEXT (e.g. llama3:8:1:4:8192)");
   return RopeScalingValues{numbers[0], numbers[1], numbers[2], static_cast<int64_t>(numbers[3])};
+}
+
+std::string format_rope_scaling(const RopeScalingValues& v) {
+  return detail::concat("llama3:", format_shortest(v.factor), ":", format_shortest(v.low_freq_factor), ":",
+                        format_shortest(v.high_freq_factor), ":", v.original_context);
+}
+
+std::vector<std::string> lora_targets(const LoraConfig& lora) {
+  std::vector<std::string> out;
+  std::stringstream ss(lora.targets);
+  for (std::string t; std::getline(ss, t, ',');)
+    if (!t.empty()) out.push_back(t);
+  return out;
 }
 
 size_t edit_distance(const std::string& a, const std::string& b) {

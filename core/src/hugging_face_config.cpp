@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <sstream>
 #include <nlohmann/json.hpp>
 
 #include "memtrain/core/error.h"
@@ -249,10 +248,7 @@ PeftAdapter lora_from_peft(const std::string& dir, const LoraConfig& base) {
 }
 
 std::string peft_adapter_config_json(const LoraConfig& lora, const ModelConfig& model, const std::string& base_model) {
-  std::vector<std::string> targets;
-  std::stringstream ss(lora.targets);
-  for (std::string t; std::getline(ss, t, ',');)
-    if (!t.empty()) targets.push_back(t);
+  const auto targets = lora_targets(lora);
   json j = {{"peft_type", "LORA"},
             {"task_type", "CAUSAL_LM"},
             {"base_model_name_or_path", base_model.empty() ? json(nullptr) : json(base_model)},

@@ -630,30 +630,26 @@ std::map<std::string, torch::Tensor> DataParallel::full_parameters(bool keep) {
   std::map<std::string, torch::Tensor> out;
   if (options_.stage != 3) return out;
   torch::NoGradGuard no_grad;
+  // One unit's buckets (trainable, or frozen with their own index): copied to the host when `keep`, then freed.
+  auto take = [&](const std::vector<size_t>& ks, std::vector<std::unique_ptr<Bucket>>& buckets,
+                  const std::vector<ParamSlot>& index) {
+    for (auto k : ks) {
+      if (keep)
+        for (const auto& slot : index)
+          if (slot.bucket == static_cast<int64_t>(k)) {
+            const int64_t numel = c10::multiply_integers(slot.shape);
+            out[slot.name] = buckets[k]->flat.narrow(0, slot.offset, numel).view(slot.shape).to(
+                torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
+          }
+      release(*buckets[k]);
+    }
+  };
   outside_the_step([&](ProcessGroup&) {
     for (int64_t u = 0; u < num_units(); ++u) {
       gather_unit(u);
       wait_unit(u);
-      for (auto k : unit_buckets_[static_cast<size_t>(u)]) {
-        if (keep)
-          for (const auto& slot : index_)
-            if (slot.bucket == static_cast<int64_t>(k)) {
-              const int64_t numel = c10::multiply_integers(slot.shape);
-              out[slot.name] = buckets_[k]->flat.narrow(0, slot.offset, numel).view(slot.shape).to(
-                  torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
-            }
-        release(*buckets_[k]);
-      }
-      for (auto k : unit_frozen_[static_cast<size_t>(u)]) {
-        if (keep)
-          for (const auto& slot : frozen_index_)
-            if (slot.bucket == static_cast<int64_t>(k)) {
-              const int64_t numel = c10::multiply_integers(slot.shape);
-              out[slot.name] = frozen_buckets_[k]->flat.narrow(0, slot.offset, numel).view(slot.shape).to(
-                  torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
-            }
-        release(*frozen_buckets_[k]);
-      }
+      take(unit_buckets_[static_cast<size_t>(u)], buckets_, index_);
+      take(unit_frozen_[static_cast<size_t>(u)], frozen_buckets_, frozen_index_);
     }
   });
   return out;

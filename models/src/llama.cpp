@@ -170,7 +170,7 @@ torch::Tensor Llama::inverse_frequencies() const {
   return torch::where(medium, smoothed, scaled);
 }
 
-const RotaryTables& Llama::rotary(int64_t T, const c10::Device& device) {
+const RotaryTables& Llama::rotary(int64_t T, const c10::Device& device, c10::ScalarType dtype) {
   if (rope_len_ != T || rope_device_ != device) {
     torch::NoGradGuard no_grad;
     auto positions = torch::arange(T, torch::kLong).to(torch::kFloat);
@@ -178,30 +178,29 @@ const RotaryTables& Llama::rotary(int64_t T, const c10::Device& device) {
     auto emb = torch::cat({freqs, freqs}, -1);                    // (T, hd)
     rope_ = {emb.cos().to(device), emb.sin().to(device)};
     rope_len_ = T, rope_device_ = device;
+    rope_cast_ = {};
   }
-  return rope_;
+  if (dtype == torch::kFloat) return rope_;
+  // In the activations' dtype (bf16 autocast or parameters): what the products round to anyway. Made once.
+  if (!rope_cast_.cos.defined() || rope_cast_.cos.scalar_type() != dtype) rope_cast_ = {rope_.cos.to(dtype), rope_.sin.to(dtype)};
+  return rope_cast_;
 }
 
 torch::Tensor Llama::embed(const torch::Tensor& idx) {
   const auto T = idx.size(1);
   MEMTRAIN_CHECK(T <= options_.block_size, Error, "[model] sequence of ", T, " tokens is longer than block_size ",
                  options_.block_size);
-  rotary(T, idx.device());
   return model->embed_tokens->forward(idx);
 }
 
 torch::Tensor Llama::block_part(int64_t i, size_t part, const torch::Tensor& h) {
   auto& layer = model->blocks[i];
   if (part == 0) {
-    // The tables in the activations' dtype: under bf16 they are what the products round to anyway.
-    const auto& r = rotary(h.size(1), h.device());
-    RotaryTables rope = r;
     auto x = layer->input_layernorm->forward(h);
     const auto dtype = at::autocast::is_autocast_enabled(h.device().type())
                            ? at::autocast::get_autocast_dtype(h.device().type())
                            : x.scalar_type();
-    if (dtype != torch::kFloat) rope = {r.cos.to(dtype), r.sin.to(dtype)};
-    return h + layer->self_attn->forward(x, rope);
+    return h + layer->self_attn->forward(x, rotary(h.size(1), h.device(), dtype));
   }
   return h + layer->mlp->forward(layer->post_attention_layernorm->forward(h));
 }

@@ -31,7 +31,6 @@
 #include "memtrain/core/safetensors.h"
 #include "memtrain/distributed/world.h"
 #include "memtrain/core/files.h"
-#include "memtrain/models/lora.h"
 #include "memtrain/runtime/export.h"
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/generate.h"
@@ -156,16 +155,7 @@ int eval(const memtrain::Config& config, const std::map<std::string, std::string
 int print_parameters(const memtrain::Config& config) {
   auto data = memtrain::make_dataset(config, {});
   auto model = memtrain::make_model(config.model, data->info());
-  if (config.lora.rank > 0) {
-    memtrain::LoraOptions o{.rank = config.lora.rank, .alpha = config.lora.alpha, .dropout = config.lora.dropout, .targets = {}};
-    std::stringstream ss(config.lora.targets);
-    for (std::string t; std::getline(ss, t, ',');)
-      if (!t.empty()) o.targets.push_back(t);
-    memtrain::add_lora(*model, o);
-    memtrain::freeze_all_but_lora(*model);
-  } else if (!config.train.freeze.empty()) {
-    memtrain::freeze_matching(*model, config.train.freeze);
-  }
+  memtrain::select_trainable(*model, config);
   int64_t trains = 0, frozen = 0;
   for (const auto& item : model->named_parameters()) {
     const auto& p = item.value();

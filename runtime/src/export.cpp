@@ -32,9 +32,8 @@ ModelConfig resolved_model_config(const ModelConfig& c, int64_t vocab) {
     m.ffn_hidden = o.ffn_hidden, m.vocab_size = o.vocab_size, m.rope_theta = o.rope_theta, m.norm_eps = o.norm_eps;
     m.tie_embeddings = o.tie_embeddings, m.attn_bias = o.out_bias ? "all" : o.qkv_bias ? "qkv" : "none";
     const auto& r = o.rope_scaling;
-    m.rope_scaling = r.type == "llama3" ? detail::concat("llama3:", format_shortest(r.factor), ":",
-                                                         format_shortest(r.low_freq_factor), ":",
-                                                         format_shortest(r.high_freq_factor), ":", r.original_max_position)
+    m.rope_scaling = r.type == "llama3" ? format_rope_scaling({r.factor, r.low_freq_factor, r.high_freq_factor,
+                                                               r.original_max_position})
                                         : "none";
     if (c.preset != "custom" && m.max_positions == 0) m.max_positions = 131072;  // the presets' published context
   }

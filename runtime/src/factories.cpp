@@ -5,6 +5,7 @@
 
 #include "memtrain/core/error.h"
 #include "memtrain/models/gpt.h"
+#include "memtrain/models/hugging_face.h"
 #include "memtrain/models/mlp.h"
 #include "memtrain/models/resnet.h"
 
@@ -23,6 +24,22 @@ namespace {
 
 int64_t context_length(const ModelConfig& c) {
   return c.name == "gpt" && c.preset != "custom" ? GPTOptions::preset(c.preset).block_size : c.block_size;
+}
+
+LoraOptions lora_options(const LoraConfig& l) {
+  return {.rank = l.rank, .alpha = l.alpha, .dropout = l.dropout, .targets = lora_targets(l)};
+}
+
+TrainableSelection select_trainable(Model& model, const Config& c) {
+  TrainableSelection out;
+  if (c.lora.rank > 0) {
+    out.adapted = add_lora(model, lora_options(c.lora));
+    if (!c.lora.init_from.empty()) load_lora_adapter(model, c.lora.init_from);
+    out.frozen = freeze_all_but_lora(model);
+  } else if (!c.train.freeze.empty()) {
+    out.frozen = freeze_matching(model, c.train.freeze);
+  }
+  return out;
 }
 
 bool is_language_model(const ModelConfig& c) { return c.name == "gpt" || c.name == "llama"; }

@@ -7,14 +7,10 @@
 #include <filesystem>
 #include <iostream>
 #include <map>
-#include <regex>
-#include <sstream>
 #include <set>
 
 #include "memtrain/core/cpu_memory.h"
 #include "memtrain/core/error.h"
-#include "memtrain/models/hugging_face.h"
-#include "memtrain/models/lora.h"
 #include "memtrain/runtime/device.h"
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/trainer.h"
@@ -114,25 +110,15 @@ void Trainer::setup_device() {
 
 void Trainer::setup_lora_and_freeze() {
   const auto& l = config_.lora;
-  const auto& pattern = config_.train.freeze;
-  if (l.rank > 0) {
-    LoraOptions o{.rank = l.rank, .alpha = l.alpha, .dropout = l.dropout, .targets = {}};
-    std::stringstream ss(l.targets);
-    for (std::string t; std::getline(ss, t, ',');)
-      if (!t.empty()) o.targets.push_back(t);
-    const auto adapted = add_lora(*model_, o);
-    if (!l.init_from.empty()) load_lora_adapter(*model_, l.init_from);
-    const auto frozen = freeze_all_but_lora(*model_);
-    if (world_.is_main())
-      std::cout << "lora:       rank " << l.rank << ", alpha " << format_shortest(l.alpha) << " on " << adapted.size()
-                << " linear maps (" << l.targets << "); " << frozen << " base parameters frozen"
-                << (l.init_from.empty() ? std::string() : "; adapters from " + l.init_from) << "\n";
-  } else if (!pattern.empty()) {
-    const auto matched = freeze_matching(*model_, pattern);
-    if (world_.is_main())
-      std::cout << "freeze:     " << matched << " of " << model_->named_parameters().size() << " parameters match '"
-                << pattern << "' and do not train\n";
-  }
+  const auto chosen = select_trainable(*model_, config_);
+  if (!world_.is_main()) return;
+  if (l.rank > 0)
+    std::cout << "lora:       rank " << l.rank << ", alpha " << format_shortest(l.alpha) << " on " << chosen.adapted.size()
+              << " linear maps (" << l.targets << "); " << chosen.frozen << " base parameters frozen"
+              << (l.init_from.empty() ? std::string() : "; adapters from " + l.init_from) << "\n";
+  else if (!config_.train.freeze.empty())
+    std::cout << "freeze:     " << chosen.frozen << " of " << model_->named_parameters().size() << " parameters match '"
+              << config_.train.freeze << "' and do not train\n";
 }
 
 torch::OrderedDict<std::string, torch::Tensor> Trainer::setup_parameters() {

@@ -234,12 +234,7 @@ TEST(HuggingFace, AFourRankStageThreeCheckpointExportsTheSameBytesAsOneRank) {
   // which read them whole (the same global batch of 4).
   out = r.memtrain("--train.steps=1 --log.name=whole" + common + " --train.micro_batch=4", &code);
   ASSERT_EQ(code, 0) << out;
-  auto first_loss = [&](const std::string& run) {
-    std::ifstream metrics(r.dir.path(run + "/metrics.jsonl"));
-    std::string line;
-    std::getline(metrics, line);
-    return number_after(line, "\"loss\":");
-  };
+  auto first_loss = [&](const std::string& run) { return test::metric_losses(r.dir.path(run + "/metrics.jsonl")).at(0); };
   EXPECT_NEAR(first_loss("four"), first_loss("whole"), 1e-5 * first_loss("whole"));
   out = r.memtrain("--train.steps=2 --log.name=one --checkpoint.resume=" + four + common, &code);
   ASSERT_EQ(code, 0) << out;

@@ -101,12 +101,7 @@ TEST(Llama, ZeroThreeOnTwoProcessesTrainsAsOne) {
     int code = -1;
     const auto out = test::shell(cmd + " 2>&1", &code);
     EXPECT_EQ(code, 0) << out;
-    std::vector<double> l;
-    std::ifstream metrics(dir.path(name + "/metrics.jsonl"));
-    std::smatch m;
-    for (std::string line; std::getline(metrics, line);)
-      if (std::regex_search(line, m, std::regex("\"loss\":([^,}]+)"))) l.push_back(std::stod(m[1]));
-    return l;
+    return test::metric_losses(dir.path(name + "/metrics.jsonl"));
   };
   const auto one = run(1, "one"), two = run(2, "two");
   ASSERT_EQ(one.size(), 4u);

@@ -24,19 +24,12 @@ namespace fs = std::filesystem;
 
 std::string hf(const std::string& name) { return test::fixture("hf/" + name); }
 
-LoraOptions lora_options(const Config& c) {
-  LoraOptions o{.rank = c.lora.rank, .alpha = c.lora.alpha, .dropout = c.lora.dropout, .targets = {}};
-  std::stringstream ss(c.lora.targets);
-  for (std::string t; std::getline(ss, t, ',');) o.targets.push_back(t);
-  return o;
-}
-
 // The base from its folder, with the adapters of `adapter` (their rank, alpha and targets from its config).
 std::shared_ptr<Model> adapted(const std::string& base, const std::string& adapter, Config* out = nullptr) {
   const auto c = Config::load("", {"--model.init_from=" + base, "--lora.init_from=" + adapter, "--data.dataset=synthetic"});
   auto model = make_model(c.model, DataInfo{.vocab_size = 97});
   load_hugging_face_weights(*model, base);
-  add_lora(*model, lora_options(c));
+  add_lora(*model, lora_options(c.lora));
   load_lora_adapter(*model, adapter);
   freeze_all_but_lora(*model);
   if (out) *out = c;
@@ -205,12 +198,7 @@ std::string run(const test::TempDir& dir, int ranks, const std::string& name, co
 }
 
 std::vector<double> losses(const test::TempDir& dir, const std::string& name) {
-  std::vector<double> out;
-  std::ifstream metrics(dir.path(name + "/metrics.jsonl"));
-  std::smatch m;
-  for (std::string line; std::getline(metrics, line);)
-    if (std::regex_search(line, m, std::regex("\"loss\":([^,}]+)"))) out.push_back(std::stod(m[1]));
-  return out;
+  return test::metric_losses(dir.path(name + "/metrics.jsonl"));
 }
 
 TEST(Lora, EveryStageTrainsTheAdaptersAsOneProcessAndTheBaseNeverMoves) {

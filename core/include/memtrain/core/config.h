@@ -201,8 +201,6 @@ struct Config {
   CheckpointConfig checkpoint;
   LoraConfig lora;
   std::string source;  // the file it came from ("" if none)
-  // The keys the file or the command line set (not left at their defaults).
-  std::vector<std::string> given;
   // Settings that do nothing in this combination (load() fills it; the binary prints each on rank 0).
   std::vector<std::string> warnings;
 
@@ -234,6 +232,10 @@ struct RopeScalingValues {
   int64_t original_context;
 };
 std::optional<RopeScalingValues> parse_rope_scaling(const std::string& value);
+// The value of model.rope_scaling that parse_rope_scaling reads back as `v` (llama3:F:L:H:O).
+std::string format_rope_scaling(const RopeScalingValues& v);
+// lora.targets as a list: the comma-separated names, empty ones dropped, in the order given.
+std::vector<std::string> lora_targets(const LoraConfig& lora);
 // A number as the config prints it: the shortest text that reads back to the same double (0.1, not
 // 0.10000000000000001).
 std::string format_shortest(double v);

@@ -145,10 +145,12 @@ class Llama : public Model {
   torch::nn::Linear lm_head{nullptr};  // (vocab, C); none when tied
 
  private:
-  const RotaryTables& rotary(int64_t T, const c10::Device& device);
+  // The tables for T positions on `device` in `dtype`, made once (fp32) and cast once per other dtype.
+  const RotaryTables& rotary(int64_t T, const c10::Device& device, c10::ScalarType dtype);
 
   LlamaOptions options_;
-  RotaryTables rope_;  // for rope_len_ positions on rope_device_: not parameters, never saved
+  RotaryTables rope_;       // (T, hd) fp32 for rope_len_ positions on rope_device_: not parameters, never saved
+  RotaryTables rope_cast_;  // the same in the activations' dtype, when that is not fp32
   int64_t rope_len_ = 0;
   c10::Device rope_device_ = c10::kCPU;
 };

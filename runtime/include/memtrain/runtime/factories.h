@@ -12,6 +12,7 @@
 #include "memtrain/core/config.h"
 #include "memtrain/data/datasets.h"
 #include "memtrain/models/llama.h"
+#include "memtrain/models/lora.h"
 #include "memtrain/models/model.h"
 #include "memtrain/distributed/data_parallel.h"
 #include "memtrain/optim/optimizer.h"
@@ -30,6 +31,16 @@ bool is_language_model(const ModelConfig& config);
 // The Llama options model.name = llama describes (its preset's shape, or the keys'), vocabulary `vocab`
 // where neither gives one.
 LlamaOptions llama_options(const ModelConfig& config, int64_t vocab);
+// [lora] as the adapters' options.
+LoraOptions lora_options(const LoraConfig& lora);
+// What trains, on a built model: with lora.rank > 0 the adapters (and lora.init_from's weights) are added and
+// everything else frozen; else train.freeze's matches are frozen. Returns the adapted modules and the number
+// of parameters frozen (both 0 when neither is set).
+struct TrainableSelection {
+  std::vector<std::string> adapted;
+  int64_t frozen = 0;
+};
+TrainableSelection select_trainable(Model& model, const Config& config);
 // train.optimizer (choices::optimizer) and its hyper-parameters.
 OptimizerOptions optimizer_options(const TrainOptions& train);
 // train.lr / min_lr / warmup_steps / steps: the cosine schedule.
