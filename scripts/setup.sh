@@ -24,6 +24,7 @@ TOKENIZERS_PIN="tokenizers==0.22.1"  # Hugging Face's, for the BPE vocabularies 
 MATPLOTLIB_PIN="matplotlib==3.10.7"  # scripts/plot_memory.py: each run's memory.png
 TRANSFORMERS_PIN="transformers==4.57.6"  # the oracle of the Hugging Face tests and the export's reader
 PEFT_PIN="peft==0.17.1"  # the oracle of the LoRA tests and the adapter export's reader
+TORCHAO_PIN="torchao==0.18.0"  # the oracle of the 8/4-bit optimizer tests (its optim code is pure Python; --no-deps keeps torch)
 PYTHON="${MEMTRAIN_PYTHON_BASE:-python3}"
 DATA="$CACHE/data"
 BUILD="${MEMTRAIN_BUILD:-$ROOT/build}"
@@ -151,6 +152,15 @@ fi
 if [ "$("$VENV/bin/python" -c 'import peft;print(peft.__version__)' 2>/dev/null)" != "${PEFT_PIN#*==}" ]; then
   log "installing $PEFT_PIN into $VENV"
   "$VENV/bin/pip" install -q --disable-pip-version-check "$PEFT_PIN" "$TRANSFORMERS_PIN" "$TOKENIZERS_PIN"
+fi
+# torchao in a folder of its own beside the venv, on PYTHONPATH only for the scripts that use it: installed in the
+# venv, peft 0.17.1 would find it and import names torchao 0.18 no longer has.
+TORCHAO_DIR="$CACHE/${TORCHAO_PIN//=/}"
+if [ "$(PYTHONPATH="$TORCHAO_DIR" "$VENV/bin/python" -c 'import torchao;print(torchao.__version__)' 2>/dev/null)" != "${TORCHAO_PIN#*==}" ]; then
+  log "installing $TORCHAO_PIN into $TORCHAO_DIR"
+  rm -rf "$TORCHAO_DIR.partial"
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --target "$TORCHAO_DIR.partial" "$TORCHAO_PIN"
+  rm -rf "$TORCHAO_DIR" && mv "$TORCHAO_DIR.partial" "$TORCHAO_DIR"
 fi
 if [ "$("$VENV/bin/python" -c 'import matplotlib;print(matplotlib.__version__)' 2>/dev/null)" != "${MATPLOTLIB_PIN#*==}" ]; then
   log "installing $MATPLOTLIB_PIN into $VENV"

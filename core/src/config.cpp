@@ -208,7 +208,7 @@ std::vector<Entry> entries(Config& c) {
       entry("data.token_format", &d.token_format,
             choices::join(choices::token_format) + " (llmc: 256 x int32 header, magic 20240520; raw: headerless uint16)", one_of(choices::token_format)),
       entry("train.device", &t.device, choices::join(choices::device), one_of(choices::device)),
-      entry("train.optimizer", &t.optimizer, choices::join(choices::optimizer) + " (adamw: ATen's fused kernel; adamw_loop: LibTorch's per-parameter AdamW)", one_of(choices::optimizer)),
+      entry("train.optimizer", &t.optimizer, choices::join(choices::optimizer) + " (adamw: ATen's fused kernel; adamw_loop: LibTorch's per-parameter AdamW; adamw8bit / adamw4bit: AdamW whose moments are stored blockwise-quantized in 8 or 4 bits, as torchao's AdamW8bit / AdamW4bit)", one_of(choices::optimizer)),
       entry("train.lr", &t.lr, "peak learning rate", where<double>([](double v) { return v > 0; }, "> 0")),
       entry("train.min_lr", &t.min_lr, "learning rate at the end of the cosine decay"),
       entry("train.warmup_steps", &t.warmup_steps, "linear warm-up steps", at_least<int64_t>(0)),
@@ -218,6 +218,12 @@ std::vector<Entry> entries(Config& c) {
       entry("train.beta2", &t.beta2, "adamw beta2", where<double>([](double v) { return v >= 0 && v < 1; }, "in [0, 1)")),
       entry("train.eps", &t.eps, "adamw epsilon", where<double>([](double v) { return v > 0; }, "> 0")),
       entry("train.momentum", &t.momentum, "sgd momentum", where<double>([](double v) { return v >= 0 && v < 1; }, "in [0, 1)")),
+      entry("train.optimizer_block", &t.optimizer_block,
+            "adamw8bit / adamw4bit: values per block (one fp32 absmax each); 0 = 256 for 8 bits, 128 for 4 bits",
+            where<int64_t>([](int64_t v) { return v == 0 || (v >= 2 && v % 2 == 0); }, "0 or an even number >= 2")),
+      entry("train.optimizer_min_quantized", &t.optimizer_min_quantized,
+            "adamw8bit / adamw4bit: parameters with fewer elements (or not a whole number of blocks) keep fp32 moments",
+            at_least<int64_t>(1)),
       entry("train.grad_clip", &t.grad_clip, "max global gradient norm; 0 = off", at_least<double>(0, ">= 0 (0 = off)")),
       entry("train.micro_batch", &t.micro_batch, "samples per micro-batch per rank", at_least<int64_t>(1)),
       entry("train.accum_steps", &t.accum_steps, "micro-batches per optimizer step", at_least<int64_t>(1)),
@@ -254,6 +260,10 @@ std::vector<Entry> entries(Config& c) {
       entry("memory.budget_headroom", &mem.budget_headroom,
             "the share of memory.budget_mib that a planned setting's estimate must leave free, for the estimate's "
             "error (measured within 3.2% of the peak on CPU, docs/benchmarks/estimate_cpu.md): in [0, 0.5)", where<double>([](double v) { return v >= 0 && v < 0.5; }, "in [0, 0.5)")),
+      entry("memory.allow_lowbit_optimizer", &mem.allow_lowbit_optimizer,
+            "the planner (memory.budget_mib) may switch train.optimizer = adamw / adamw_loop to adamw8bit, then "
+            "adamw4bit, when no setting with fp32 moments fits: it changes the numerics, so only when allowed, and "
+            "it says so"),
       entry("memory.snapshot", &mem.snapshot,
             "CUDA: record the caching allocator's history and write memory_snapshot.rank<N>.pickle at the end, for "
             "python -m torch.cuda._memory_viz trace_plot FILE -o memory_viz.html"),
@@ -568,6 +578,11 @@ Config Config::load(const std::string& path, const std::vector<std::string>& raw
   }
   if (c.train.optimizer != "sgd" && given("train.momentum"))
     warn(detail::concat("train.momentum (", origin("train.momentum"), ") applies to train.optimizer = sgd only"));
+  if (c.train.optimizer != "adamw8bit" && c.train.optimizer != "adamw4bit" && !c.memory.allow_lowbit_optimizer)
+    for (const char* key : {"train.optimizer_block", "train.optimizer_min_quantized"})
+      if (given(key))
+        warn(detail::concat(key, " (", origin(key), ") applies to train.optimizer = adamw8bit | adamw4bit only; this run uses ",
+                            c.train.optimizer));
   return c;
 }
 

@@ -124,8 +124,9 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
       }
     }
     auto& b = *buckets_.back();
-    b.offsets.push_back(b.size);
-    b.size += p.numel();
+    const int64_t align = std::max<int64_t>(1, options_.align);
+    b.offsets.push_back((b.size + align - 1) / align * align);
+    b.size = b.offsets.back() + p.numel();
     members.back().push_back(p);
     member_names.back().push_back(name);
   }
@@ -134,7 +135,8 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
   //    leaves), replicated from rank 0 so that every rank starts from the same weights.
   for (size_t k = 0; k < buckets_.size(); ++k) {
     auto& b = *buckets_[k];
-    b.size = (b.size + n - 1) / n * n;
+    const int64_t unit = n * std::max<int64_t>(1, options_.align);
+    b.size = (b.size + unit - 1) / unit * unit;
     b.shard = b.size / n;
     const auto& first = members[k].front();
     b.flat = torch::zeros({b.size}, first.options().requires_grad(false));  // (size,) param dtype

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "memtrain/core/error.h"
+#include "memtrain/optim/lowbit_adamw.h"
 
 namespace memtrain {
 
@@ -27,6 +28,13 @@ std::vector<torch::optim::OptimizerParamGroup> decay_groups(const std::vector<to
   return groups;
 }
 }  // namespace
+
+std::optional<LowBitOptions> lowbit_options(const OptimizerOptions& t) {
+  using Kind = OptimizerOptions::Kind;
+  if (t.kind != Kind::kAdamW8bit && t.kind != Kind::kAdamW4bit) return std::nullopt;
+  const int bits = t.kind == Kind::kAdamW8bit ? 8 : 4;
+  return LowBitOptions{bits, t.block > 0 ? t.block : bits == 8 ? 256 : 128, t.min_quantized};
+}
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& t,
                                                         const torch::OrderedDict<std::string, torch::Tensor>& named) {
@@ -49,6 +57,7 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& 
   }
   auto base = torch::optim::AdamWOptions(t.lr).betas({t.beta1, t.beta2}).eps(t.eps);
   auto groups = decay_groups(decay, no_decay, base, t.weight_decay);
+  if (auto low = lowbit_options(t)) return std::make_unique<LowBitAdamW>(std::move(groups), base, *low);
   if (t.kind == Kind::kAdamWLoop) return std::make_unique<torch::optim::AdamW>(std::move(groups), base);
   return std::make_unique<FusedAdamW>(std::move(groups), base);
 }
@@ -131,9 +140,17 @@ void FusedAdamW::set_step_count(const torch::Tensor& param, double count) {
       torch::full({}, count, torch::TensorOptions().dtype(torch::kFloat).device(param.device()));
 }
 
-std::vector<std::string> param_state_fields(const torch::optim::Optimizer& optimizer) {
-  if (dynamic_cast<const torch::optim::SGD*>(&optimizer)) return {"momentum_buffer"};
-  return {"exp_avg", "exp_avg_sq", "step"};
+std::vector<StateField> param_state_fields(const torch::optim::Optimizer& optimizer, int64_t whole_numel) {
+  if (dynamic_cast<const torch::optim::SGD*>(&optimizer)) return {{"momentum_buffer", 1}};
+  if (auto* low = dynamic_cast<const LowBitAdamW*>(&optimizer); low && low->quantizes(whole_numel)) {
+    const int64_t code = low->lowbit().bits == 8 ? 1 : 2, block = low->lowbit().block;
+    return {{"exp_avg_codes", code}, {"exp_avg_absmax", block}, {"exp_avg_sq_codes", code}, {"exp_avg_sq_absmax", block}, {"step", 0}};
+  }
+  return {{"exp_avg", 1}, {"exp_avg_sq", 1}, {"step", 0}};
+}
+
+void set_whole_numel(torch::optim::Optimizer& optimizer, const torch::Tensor& stepped, int64_t whole_numel) {
+  if (auto* low = dynamic_cast<LowBitAdamW*>(&optimizer)) low->set_whole_numel(stepped, whole_numel);
 }
 
 std::map<std::string, torch::Tensor> get_param_state(const torch::optim::Optimizer& optimizer, const torch::Tensor& param) {
@@ -146,6 +163,14 @@ std::map<std::string, torch::Tensor> get_param_state(const torch::optim::Optimiz
     out["step"] = torch::tensor(s->step(), torch::kLong);
   } else if (auto* m = dynamic_cast<const torch::optim::SGDParamState*>(it->second.get())) {
     if (m->momentum_buffer().defined()) out["momentum_buffer"] = m->momentum_buffer();
+  } else if (auto* l = dynamic_cast<const LowBitAdamWParamState*>(it->second.get())) {
+    if (l->quantized()) {
+      out["exp_avg_codes"] = l->exp_avg_codes, out["exp_avg_absmax"] = l->exp_avg_absmax;
+      out["exp_avg_sq_codes"] = l->exp_avg_sq_codes, out["exp_avg_sq_absmax"] = l->exp_avg_sq_absmax;
+    } else {
+      out["exp_avg"] = l->exp_avg.view(param.sizes()), out["exp_avg_sq"] = l->exp_avg_sq.view(param.sizes());
+    }
+    out["step"] = torch::tensor(l->step, torch::kLong);
   }
   return out;
 }
@@ -171,6 +196,30 @@ void set_param_state(torch::optim::Optimizer& optimizer, const torch::Tensor& pa
     optimizer.state()[key] = std::move(s);
     return;
   }
+  if (auto* low = dynamic_cast<LowBitAdamW*>(&optimizer)) {
+    auto s = std::make_unique<LowBitAdamWParamState>();
+    if (state.count("exp_avg_codes")) {
+      MEMTRAIN_CHECK(param.numel() % low->lowbit().block == 0, Error, "[optim] quantized state for a part of ", param.numel(),
+                     " elements, not whole blocks of ", low->lowbit().block);
+      auto sized = [&](const std::string& name, int64_t count, torch::ScalarType dtype) {
+        auto t = field(name);
+        MEMTRAIN_CHECK(t.numel() == count && t.scalar_type() == dtype, Error, "[optim] state '", name, "' has ", t.numel(),
+                       " values of ", t.scalar_type(), "; a part of ", param.numel(), " elements needs ", count, " of ", dtype);
+        return t.reshape({-1}).to(param.device(), dtype, /*non_blocking=*/false, /*copy=*/true);
+      };
+      const int64_t codes = low->lowbit().bits == 8 ? param.numel() : param.numel() / 2, blocks = param.numel() / low->lowbit().block;
+      s->exp_avg_codes = sized("exp_avg_codes", codes, torch::kUInt8);
+      s->exp_avg_sq_codes = sized("exp_avg_sq_codes", codes, torch::kUInt8);
+      s->exp_avg_absmax = sized("exp_avg_absmax", blocks, torch::kFloat);
+      s->exp_avg_sq_absmax = sized("exp_avg_sq_absmax", blocks, torch::kFloat);
+    } else {
+      s->exp_avg = like_param("exp_avg").reshape({-1}).to(torch::kFloat);
+      s->exp_avg_sq = like_param("exp_avg_sq").reshape({-1}).to(torch::kFloat);
+    }
+    s->step = field("step").to(torch::kLong).item<int64_t>();
+    optimizer.state()[key] = std::move(s);
+    return;
+  }
   auto s = std::make_unique<torch::optim::AdamWParamState>();
   s->exp_avg(like_param("exp_avg"));
   s->exp_avg_sq(like_param("exp_avg_sq"));
@@ -178,6 +227,16 @@ void set_param_state(torch::optim::Optimizer& optimizer, const torch::Tensor& pa
   s->step(count);
   optimizer.state()[key] = std::move(s);
   if (auto* fused = dynamic_cast<FusedAdamW*>(&optimizer)) fused->set_step_count(param, static_cast<double>(count));
+}
+
+bool steps_in_parts(const torch::optim::Optimizer& optimizer) {
+  return dynamic_cast<const FusedAdamW*>(&optimizer) || dynamic_cast<const LowBitAdamW*>(&optimizer);
+}
+
+void step_only(torch::optim::Optimizer& optimizer, const std::vector<torch::Tensor>& params) {
+  if (auto* fused = dynamic_cast<FusedAdamW*>(&optimizer)) return fused->step_only(params);
+  if (auto* low = dynamic_cast<LowBitAdamW*>(&optimizer)) return low->step_only(params);
+  throw Error("[optim] this optimizer cannot step a part of its tensors alone");
 }
 
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
@@ -193,6 +252,9 @@ std::vector<torch::Tensor> optimizer_state_tensors(const torch::optim::Optimizer
       if (s->max_exp_avg_sq().defined()) out.push_back(s->max_exp_avg_sq());
     } else if (auto* m = dynamic_cast<const torch::optim::SGDParamState*>(state.get())) {
       out.push_back(m->momentum_buffer());
+    } else if (auto* l = dynamic_cast<const LowBitAdamWParamState*>(state.get())) {
+      for (const auto* t : {&l->exp_avg, &l->exp_avg_sq, &l->exp_avg_codes, &l->exp_avg_absmax, &l->exp_avg_sq_codes, &l->exp_avg_sq_absmax})
+        if (t->defined()) out.push_back(*t);
     }
   }
   return out;

@@ -8,6 +8,7 @@
 #include "memtrain/models/hugging_face.h"
 #include "memtrain/models/mlp.h"
 #include "memtrain/models/resnet.h"
+#include "memtrain/optim/lowbit_adamw.h"
 
 namespace memtrain {
 
@@ -154,10 +155,18 @@ OptimizerOptions optimizer_options(const TrainOptions& t) {
   if (t.optimizer == "adamw") o.kind = OptimizerOptions::Kind::kAdamW;
   else if (t.optimizer == "adamw_loop") o.kind = OptimizerOptions::Kind::kAdamWLoop;
   else if (t.optimizer == "sgd") o.kind = OptimizerOptions::Kind::kSgd;
+  else if (t.optimizer == "adamw8bit") o.kind = OptimizerOptions::Kind::kAdamW8bit;
+  else if (t.optimizer == "adamw4bit") o.kind = OptimizerOptions::Kind::kAdamW4bit;
   else unhandled("train.optimizer", t.optimizer);
   o.lr = t.lr, o.weight_decay = t.weight_decay, o.beta1 = t.beta1, o.beta2 = t.beta2, o.eps = t.eps;
   o.momentum = t.momentum;
+  o.block = t.optimizer_block, o.min_quantized = t.optimizer_min_quantized;
   return o;
+}
+
+int64_t optimizer_block(const TrainOptions& t) {
+  const auto low = lowbit_options(optimizer_options(t));
+  return low ? low->block : 0;
 }
 
 CosineScheduleOptions schedule_options(const TrainOptions& t) {
@@ -179,7 +188,8 @@ DataParallelOptions data_parallel_options(const Config& c, bool bf16_parameters,
           .master_weights = bf16_parameters,
           .units = d.zero_stage == 3 ? units : std::vector<int64_t>{},
           .prefetch = d.prefetch,
-          .offload = d.offload_optimizer == "cpu"};
+          .offload = d.offload_optimizer == "cpu",
+          .align = std::max<int64_t>(1, optimizer_block(c.train))};
 }
 
 }  // namespace memtrain

@@ -43,13 +43,18 @@ MemoryEstimate estimate_memory(const EstimateInputs& in) {
   const int64_t stepped = !sharded || in.stage == 0 ? p : part;
   const int64_t reduced_bytes = in.master_weights ? 4 : pb;  // the reduced gradient is the stepped tensor's dtype
 
+  // Moments of `stepped` elements: the quantized share at its bytes per element, the rest at state_bytes.
+  auto moment_bytes = [&](int64_t stepped) {
+    const int64_t q = p == 0 ? 0 : std::min(stepped, (in.quantized_elements * stepped + p - 1) / p);
+    return in.state_bytes * (stepped - q) + static_cast<int64_t>(std::llround(in.quantized_state_bytes * static_cast<double>(q)));
+  };
   MemoryParts dev, host;
   MemoryParts& state_home = in.offload && in.cuda ? host : dev;  // offload: the stepped part lives in host memory
   if (!sharded) {
     // One process: gradients are set to none at each step's start and born during backward (the probe
     // measured them with the activations); the masters' gradients too.
     dev.params = (p + in.frozen_elements) * pb;
-    dev.optimizer_state = in.state_bytes * p + (in.master_weights ? 4 * p : 0);
+    dev.optimizer_state = moment_bytes(p) + (in.master_weights ? 4 * p : 0);
   } else {
     dev.params = (in.stage == 3 ? part + (in.frozen_elements + n - 1) / n : p + in.frozen_elements) * pb;
     // Full-size gradient buckets stay allocated in stages 0 and 1 (views the backward accumulates into);
@@ -63,7 +68,7 @@ MemoryEstimate estimate_memory(const EstimateInputs& in) {
     const int64_t reduced = in.stage == 0                  ? (in.master_weights ? 4 * p : 0)
                             : in.stage >= 2 && !held_across ? 0
                                                             : part * reduced_bytes;
-    int64_t state = in.state_bytes * stepped;
+    int64_t state = moment_bytes(stepped);
     if (in.master_weights) state += 4 * stepped;
     if (in.offload) {
       // The stepped copy of the parameters' part (without masters) and the reduced gradient move to the host.

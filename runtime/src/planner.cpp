@@ -19,6 +19,7 @@ std::string PlanCandidate::describe() const {
   o << "micro-batch " << micro_batch << " x " << accum_steps << ", recompute " << recompute << ", head " << head
     << ", stage " << stage;
   if (offload) o << " + offload";
+  if (!optimizer.empty()) o << ", train.optimizer " << optimizer;
   return o.str();
 }
 
@@ -92,6 +93,7 @@ Plan choose_plan(std::vector<PlanCandidate> candidates, int64_t budget_bytes, do
   const auto usable = plan.usable_bytes();
   plan.considered = static_cast<int64_t>(candidates.size());
   std::stable_sort(candidates.begin(), candidates.end(), [](const PlanCandidate& a, const PlanCandidate& b) {
+    if (a.lowbit_rank != b.lowbit_rank) return a.lowbit_rank < b.lowbit_rank;
     if (a.step_ms != b.step_ms) return a.step_ms < b.step_ms;
     return a.estimate.peak_device() < b.estimate.peak_device();
   });
@@ -133,6 +135,10 @@ std::string Plan::explain() const {
   o << "; " << fitting << " of " << considered << " settings fit; the fastest is chosen):\n";
   line("chosen:    ", chosen);
   for (const auto& r : runners_up) line("runner-up: ", r);
+  if (!chosen.optimizer.empty())
+    o << "  train.optimizer = " << chosen.optimizer << " (memory.allow_lowbit_optimizer = true): no setting with "
+      << (chosen.lowbit_rank == 1 ? "fp32" : "fp32 or 8-bit") << " moments fits; the moments are stored blockwise-"
+      << "quantized, which changes the numerics\n";
   return o.str();
 }
 

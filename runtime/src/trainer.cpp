@@ -335,11 +335,10 @@ void Trainer::clip_and_update(StepResult& r, const torch::Tensor& loss_sum) {
   } else {
     nonfinite_run_ = 0;
     in_optimizer_ = true;
-    // Offload with the fused AdamW: the CPU update runs bucket by bucket inside after_optimizer_step, each
-    // bucket's copy up and gather overlapping the next bucket's update.
-    auto* fused = dp_ && dp_->offload() ? dynamic_cast<FusedAdamW*>(optimizer_.get()) : nullptr;
-    if (fused) {
-      dp_->after_optimizer_step([fused](const std::vector<torch::Tensor>& stepped) { fused->step_only(stepped); });
+    // Offload with an element-wise AdamW (fused, low-bit): the CPU update runs bucket by bucket inside
+    // after_optimizer_step, each bucket's copy up and gather overlapping the next bucket's update.
+    if (dp_ && dp_->offload() && steps_in_parts(*optimizer_)) {
+      dp_->after_optimizer_step([this](const std::vector<torch::Tensor>& stepped) { step_only(*optimizer_, stepped); });
       updated_in_place = true;
     } else {
       optimizer_->step();

@@ -16,6 +16,8 @@
 
 #include "memtrain/core/cpu_memory.h"
 #include "memtrain/core/error.h"
+#include "memtrain/optim/lowbit_adamw.h"
+#include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/device.h"
 #include "memtrain/runtime/trainer.h"
 
@@ -172,6 +174,10 @@ void Trainer::plan_to_budget() {
   std::vector<bool> offloads = {configured_offload};
   if (device_.is_cuda() && t.precision != "fp16") offloads = {false, true};  // fp16's scaler: not with offload
   const double cpu_update_ns = device_.is_cuda() ? time_cpu_update() : 0;
+  // Low-bit moments (memory.allow_lowbit_optimizer): ranked after every setting with the configured state.
+  std::vector<std::string> optimizers = {""};
+  if (m.allow_lowbit_optimizer && (t.optimizer == "adamw" || t.optimizer == "adamw_loop"))
+    optimizers = {"", "adamw8bit", "adamw4bit"};
 
   // One probe per (policy, head) at two small micro-batches; bytes and times extrapolate along their lines.
   // The smallest candidate is probed itself (per-micro-batch costs do not extrapolate down well: measured),
@@ -191,31 +197,34 @@ void Trainer::plan_to_budget() {
     for (auto mb : micro) {
       for (const bool offload : offloads) {
         for (int stage : stages) {
-          // Offload needs a sharded optimizer (stage >= 1); in one process, a group of one at stage 1.
-          if (offload && stage == 0) {
-            if (world_.world_size > 1) continue;
-            stage = 1;
+          for (size_t o = 0; o < optimizers.size(); ++o) {
+            // Offload needs a sharded optimizer (stage >= 1); in one process, a group of one at stage 1.
+            if (offload && stage == 0) {
+              if (world_.world_size > 1) continue;
+              stage = 1;
+            }
+            auto in = estimate_inputs(world_.world_size, optimizers[o].empty() ? t.optimizer : optimizers[o]);
+            in.micro_batch = mb, in.accum_steps = global / mb, in.stage = stage, in.budget_bytes = -1;
+            in.offload = offload;
+            in.probe = pr;
+            // The later micro-batches of one process find the gradients resident; what their backward adds is
+            // taken as the first micro-batch's (gradients born included): an over-estimate by at most the
+            // gradient bytes, which spares a second probe per setting. (A one-process offload candidate drops
+            // its gradients per bucket: the kept-gradient probe over-estimates it the same way.)
+            if (!sharded) in.probe_dropped = pr;
+            PlanCandidate c{.micro_batch = mb, .accum_steps = global / mb, .recompute = policy, .head = head, .stage = stage,
+                            .offload = offload, .optimizer = optimizers[o], .lowbit_rank = static_cast<int>(o),
+                            .estimate = estimate_memory(in)};
+            const int64_t part = (in.root_elements + std::accumulate(in.block_elements.begin(), in.block_elements.end(),
+                                                                     int64_t{0})) / world_.world_size;
+            c.step_ms = timed ? static_cast<double>(global / mb) * pr.ms_at(mb) +
+                                    (offload && !configured_offload
+                                         ? offload_step_ms(part, in.param_bytes, in.param_bytes, cpu_update_ns)
+                                         : 0.0)
+                              : plan_step_cost(mb, global / mb, recompute_fraction(policy), stage, 0.1,
+                                               offload && !configured_offload);
+            plan_candidates_.push_back(c);
           }
-          auto in = estimate_inputs(world_.world_size);
-          in.micro_batch = mb, in.accum_steps = global / mb, in.stage = stage, in.budget_bytes = -1;
-          in.offload = offload;
-          in.probe = pr;
-          // The later micro-batches of one process find the gradients resident; what their backward adds is
-          // taken as the first micro-batch's (gradients born included): an over-estimate by at most the
-          // gradient bytes, which spares a second probe per setting. (A one-process offload candidate drops
-          // its gradients per bucket: the kept-gradient probe over-estimates it the same way.)
-          if (!sharded) in.probe_dropped = pr;
-          PlanCandidate c{.micro_batch = mb, .accum_steps = global / mb, .recompute = policy, .head = head, .stage = stage,
-                          .offload = offload, .estimate = estimate_memory(in)};
-          const int64_t part = (in.root_elements + std::accumulate(in.block_elements.begin(), in.block_elements.end(),
-                                                                   int64_t{0})) / world_.world_size;
-          c.step_ms = timed ? static_cast<double>(global / mb) * pr.ms_at(mb) +
-                                  (offload && !configured_offload
-                                       ? offload_step_ms(part, in.param_bytes, in.param_bytes, cpu_update_ns)
-                                       : 0.0)
-                            : plan_step_cost(mb, global / mb, recompute_fraction(policy), stage, 0.1,
-                                             offload && !configured_offload);
-          plan_candidates_.push_back(c);
         }
       }
     }
@@ -226,6 +235,8 @@ void Trainer::plan_to_budget() {
   m.recompute = chosen.recompute, m.head = chosen.head;
   config_.dist.zero_stage = chosen.stage;
   config_.dist.offload_optimizer = chosen.offload ? "cpu" : "none";
+  if (!chosen.optimizer.empty()) t.optimizer = chosen.optimizer;
+  plan_lowbit_rank_ = chosen.lowbit_rank;
 }
 
 PlanCandidate Trainer::agreed_choice(const std::vector<PlanCandidate>& candidates, int64_t budget, bool timed,
@@ -241,7 +252,7 @@ PlanCandidate Trainer::agreed_choice(const std::vector<PlanCandidate>& candidate
     for (size_t i = 0; i < candidates.size() && index < 0; ++i) {
       const auto& c = candidates[i];
       if (c.micro_batch == plan.chosen.micro_batch && c.recompute == plan.chosen.recompute && c.head == plan.chosen.head &&
-          c.stage == plan.chosen.stage && c.offload == plan.chosen.offload)
+          c.stage == plan.chosen.stage && c.offload == plan.chosen.offload && c.optimizer == plan.chosen.optimizer)
         index = static_cast<int64_t>(i);
     }
     if (world_.is_main()) std::cout << preface << plan.explain() << std::flush;
@@ -290,7 +301,9 @@ void Trainer::correct_plan(int64_t measured_peak) {
   std::vector<PlanCandidate> same_stage;
   for (auto c : plan_candidates_) {
     // The buckets exist: the stage and offload chosen stay.
-    if (c.stage != config_.dist.zero_stage || c.offload != (config_.dist.offload_optimizer == "cpu")) continue;
+    if (c.stage != config_.dist.zero_stage || c.offload != (config_.dist.offload_optimizer == "cpu") ||
+        c.lowbit_rank != plan_lowbit_rank_)
+      continue;
     c.estimate.device.activations = static_cast<int64_t>(static_cast<double>(c.estimate.device.activations) * scale);
     same_stage.push_back(c);
   }
@@ -306,7 +319,7 @@ void Trainer::correct_plan(int64_t measured_peak) {
   head_rows_ = parse_head_rows(chosen.head);
 }
 
-EstimateInputs Trainer::estimate_inputs(int world) const {
+EstimateInputs Trainer::estimate_inputs(int world, const std::string& optimizer) const {
   const auto& d = config_.dist;
   EstimateInputs in;
   in.block_elements.assign(static_cast<size_t>(model_->num_blocks()), 0);
@@ -321,8 +334,14 @@ EstimateInputs Trainer::estimate_inputs(int world) const {
   }
   in.param_bytes = param_dtype_ == torch::kFloat ? 4 : 2;
   in.master_weights = param_dtype_ != torch::kFloat;
-  const auto& opt = config_.train.optimizer;
-  in.state_bytes = opt == "sgd" ? (config_.train.momentum != 0 ? 4 : 0) : 8;
+  auto train = config_.train;
+  if (!optimizer.empty()) train.optimizer = optimizer;
+  in.state_bytes = train.optimizer == "sgd" ? (train.momentum != 0 ? 4 : 0) : 8;
+  if (const auto low = lowbit_options(optimizer_options(train))) {
+    in.quantized_state_bytes = quantized_bytes_per_element(*low);
+    for (const auto& p : params_)
+      if (quantizes(*low, p.numel())) in.quantized_elements += p.numel();
+  }
   in.data_bytes = data_->resident_bytes();
   in.cuda = device_.is_cuda();
   in.world = world;

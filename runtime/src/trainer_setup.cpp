@@ -211,6 +211,9 @@ void Trainer::setup_data_parallel() {
   dp_ = std::make_unique<DataParallel>(group_, named, options);
   if (d.zero_stage == 3) block_hooks_ = std::make_unique<GatherBlocks>(*dp_);
   optimizer_ = make_optimizer(optimizer_options(config_.train), dp_->decay_tensors(), dp_->no_decay_tensors());
+  std::map<std::string, int64_t> numel;  // low-bit state: a rank's part is quantized as its whole parameter
+  for (size_t i = 0; i < params_.size(); ++i) numel[param_names_[i]] = params_[i].numel();
+  for (const auto& seg : dp_->segments()) set_whole_numel(*optimizer_, seg.stepped, numel.at(seg.name));
   sync_buffers();  // an embedder's model may start with other statistics on each rank
 }
 

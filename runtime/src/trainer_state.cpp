@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "memtrain/core/error.h"
+#include "memtrain/optim/lowbit_adamw.h"
 #include "memtrain/runtime/run_report.h"
 #include "memtrain/runtime/trainer.h"
 #include "stop_signals.h"
@@ -28,6 +29,12 @@ std::string plan_text(const std::vector<bool>& blocks) {
   return s;
 }
 
+// Values per absmax of low-bit AdamW's state; 0 for other optimizers.
+int64_t state_block(const torch::optim::Optimizer& optimizer) {
+  auto* low = dynamic_cast<const LowBitAdamW*>(&optimizer);
+  return low ? low->lowbit().block : 0;
+}
+
 }  // namespace
 
 std::vector<ShardPiece> Trainer::state_pieces() const {
@@ -37,13 +44,17 @@ std::vector<ShardPiece> Trainer::state_pieces() const {
   };
   // Optimizer state of one stepped tensor: elements [begin, end) of the parameter; the step count once,
   // by whoever holds the parameter's first element.
+  // A field of k elements per value (4-bit codes, absmaxes) saves values [begin / k, end / k) of a (numel / k,) tensor.
   auto add_state = [&](const std::string& name, const torch::Tensor& stepped, const std::vector<int64_t>& shape,
                        int64_t begin, int64_t end) {
+    const auto numel = c10::multiply_integers(shape);
     for (const auto& [field, value] : get_param_state(*optimizer_, stepped)) {
       if (value.dim() == 0) {
         if (begin == 0) add("optim/" + name + "/" + field, value, {}, 0, 1);
-      } else {
+      } else if (const int64_t k = (end - begin) / value.numel(); k == 1) {
         add("optim/" + name + "/" + field, value, shape, begin, end);
+      } else {
+        add("optim/" + name + "/" + field, value, {numel / k}, begin / k, end / k);
       }
     }
   };
@@ -128,6 +139,7 @@ std::string Trainer::save_checkpoint() {
       meta.zero_stage = dp_ ? dp_->stage() : 0;
       meta.fields = {{"config", config_.to_ini()},
                      {"optimizer", config_.train.optimizer},
+                     {"optimizer_block", std::to_string(state_block(*optimizer_))},
                      {"param_dtype", config_.train.param_dtype},
                      {"precision", config_.train.precision},
                      {"micro_batch_split", std::to_string(split_)},
@@ -148,10 +160,15 @@ std::set<std::string> Trainer::check_checkpoint(const std::string& path, const L
     return it == ck.meta.fields.end() ? std::string() : it->second;
   };
   const auto saved_optimizer = field("optimizer");
+  const std::set<std::string> fp32_adamw = {"adamw", "adamw_loop"};  // the same state, in two implementations
   MEMTRAIN_CHECK(saved_optimizer.empty() || saved_optimizer == config_.train.optimizer ||
-                     (saved_optimizer != "sgd" && config_.train.optimizer != "sgd"),
+                     (fp32_adamw.count(saved_optimizer) && fp32_adamw.count(config_.train.optimizer)),
                  DataError, "[checkpoint] ", path, " was saved with train.optimizer = ", saved_optimizer,
                  "; this run uses ", config_.train.optimizer, ": their states differ");
+  const auto saved_block = field("optimizer_block"), block = std::to_string(state_block(*optimizer_));
+  MEMTRAIN_CHECK(saved_block.empty() || saved_block == block || fp32_adamw.count(saved_optimizer) || saved_optimizer == "sgd",
+                 DataError, "[checkpoint] ", path, " was saved with ", saved_optimizer, " state in blocks of ", saved_block,
+                 " values (train.optimizer_block); this run uses ", block, ": their codes and absmaxes differ");
   std::map<std::string, torch::Tensor> params;
   for (size_t i = 0; i < params_.size(); ++i) params[param_names_[i]] = params_[i];
   std::map<std::string, torch::Tensor> buffers;
@@ -169,15 +186,22 @@ std::set<std::string> Trainer::check_checkpoint(const std::string& path, const L
   for (size_t i = 0; i < frozen_.size(); ++i) frozen[frozen_names_[i]] = frozen_[i];
   for (const auto& [name, p] : frozen) expect("frozen/" + name, p, "frozen parameter");
   for (const auto& [name, b] : buffers) expect("buffer/" + name, b, "buffer");
-  const auto state_fields = param_state_fields(*optimizer_);
   std::set<std::string> stepped_names;  // parameters that have optimizer state in the checkpoint
   for (const auto& [name, p] : params) {
+    const auto state_fields = param_state_fields(*optimizer_, p.numel());
     size_t present = 0;
-    for (const auto& f : state_fields) present += T.count("optim/" + name + "/" + f);
-    for (const auto& f : state_fields)
-      MEMTRAIN_CHECK(present == 0 || T.count("optim/" + name + "/" + f), DataError, "[checkpoint] ", path,
-                     ": no optimizer state 'optim/", name, "/", f, "' beside the rest of that parameter's state");
-    if (present) stepped_names.insert(name);
+    for (const auto& f : state_fields) present += T.count("optim/" + name + "/" + f.name);
+    if (!present) continue;
+    for (const auto& f : state_fields) {
+      const auto key = "optim/" + name + "/" + f.name;
+      auto it = T.find(key);
+      MEMTRAIN_CHECK(it != T.end(), DataError, "[checkpoint] ", path, ": no optimizer state '", key,
+                     "' beside the rest of that parameter's state (saved by another optimizer or block size?)");
+      const int64_t values = f.per_value == 0 ? 1 : p.numel() / f.per_value;
+      MEMTRAIN_CHECK(it->second.numel() == values, DataError, "[checkpoint] ", path, ": optimizer state '", key, "' has ",
+                     it->second.numel(), " values; a parameter of ", p.numel(), " elements has ", values);
+    }
+    stepped_names.insert(name);
   }
   for (const auto& [name, t] : T) {
     const auto slash = name.find('/');
@@ -207,7 +231,6 @@ void Trainer::load_checkpoint(const std::string& path) {
   // 1. Everything is checked before anything is copied.
   const auto stepped_names = check_checkpoint(path, ck);
   const auto plan = field("recompute_plan");
-  const auto state_fields = param_state_fields(*optimizer_);
   std::map<std::string, torch::Tensor> params;
   for (size_t i = 0; i < params_.size(); ++i) params[param_names_[i]] = params_[i];
   std::map<std::string, torch::Tensor> buffers;
@@ -218,9 +241,9 @@ void Trainer::load_checkpoint(const std::string& path) {
   torch::NoGradGuard no_grad;
   auto state_of = [&](const std::string& name, int64_t begin, int64_t end) {
     std::map<std::string, torch::Tensor> state;
-    for (const auto& f : state_fields) {
-      const auto& t = T.at("optim/" + name + "/" + f);
-      state[f] = t.dim() == 0 ? t : t.reshape({-1}).slice(0, begin, end);
+    for (const auto& f : param_state_fields(*optimizer_, params.at(name).numel())) {
+      const auto& t = T.at("optim/" + name + "/" + f.name);
+      state[f.name] = f.per_value == 0 ? t : t.reshape({-1}).slice(0, begin / f.per_value, end / f.per_value);
     }
     return state;
   };

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The Python side of memtrain's benchmarks: the same GPT (scripts/reference/gpt_ref.py), trained eagerly
-with PyTorch's own tools: torch.utils.checkpoint, torch.autocast, torch.optim.AdamW(fused=True).
+with PyTorch's own tools: torch.utils.checkpoint, torch.autocast, torch.optim.AdamW(fused=True) (or torchao's AdamW8bit / AdamW4bit).
 
   torch_gpt.py --device cuda --n_layer 12 --n_head 12 --n_embd 768 --block_size 1024 --vocab 50257 \
                --micro_batch 8 --steps 20 [--checkpoint] [--precision bf16]
@@ -23,6 +23,7 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--checkpoint", action="store_true")
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit", "adamw4bit"])
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -32,8 +33,12 @@ def main():
     model = GPT(cfg).to(dev)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-4, betas=(0.9, 0.95), fused=True)
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    if a.optimizer == "adamw":
+        opt = torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95), fused=True)
+    else:  # torchao's blockwise-quantized moments (compiled unless TORCHDYNAMO_DISABLE=1)
+        from torchao.optim import AdamW4bit, AdamW8bit
+        opt = (AdamW8bit if a.optimizer == "adamw8bit" else AdamW4bit)(groups, lr=1e-4, betas=(0.9, 0.95))
     g = torch.Generator().manual_seed(1)
     times, act_peaks, peaks = [], [], []
     for step in range(a.steps):

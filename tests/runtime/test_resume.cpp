@@ -78,7 +78,7 @@ TEST(Resume, BitExactWithBf16MastersRecomputeAccumulationAndDropout) {
 }
 
 TEST(Resume, BitExactWithEachOptimizerAndTheFusedHead) {
-  for (const char* optimizer : {"adamw", "adamw_loop", "sgd"}) {
+  for (const char* optimizer : {"adamw", "adamw_loop", "sgd", "adamw8bit", "adamw4bit"}) {
     SCOPED_TRACE(optimizer);
     auto c = test::tiny_gpt_config();
     c.train.optimizer = optimizer;

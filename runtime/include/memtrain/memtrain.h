@@ -29,6 +29,7 @@
 #include "memtrain/models/model.h"
 #include "memtrain/models/module_model.h"
 #include "memtrain/models/resnet.h"
+#include "memtrain/optim/lowbit_adamw.h"
 #include "memtrain/optim/optimizer.h"
 #include "memtrain/runtime/recompute.h"
 #include "memtrain/runtime/factories.h"

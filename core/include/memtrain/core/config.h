@@ -32,7 +32,7 @@ inline constexpr std::array<std::string_view, 3> attn_bias{"none", "qkv", "all"}
 inline constexpr std::array<std::string_view, 2> resnet_stem{"small", "imagenet"};
 inline constexpr std::array<std::string_view, 3> dataset{"text", "fashion_mnist", "synthetic"};
 inline constexpr std::array<std::string_view, 3> device{"cpu", "cuda", "auto"};
-inline constexpr std::array<std::string_view, 3> optimizer{"adamw", "adamw_loop", "sgd"};
+inline constexpr std::array<std::string_view, 5> optimizer{"adamw", "adamw_loop", "sgd", "adamw8bit", "adamw4bit"};
 inline constexpr std::array<std::string_view, 3> precision{"fp32", "bf16", "fp16"};
 inline constexpr std::array<std::string_view, 2> param_dtype{"fp32", "bf16"};
 inline constexpr std::array<std::string_view, 3> backend{"auto", "gloo", "nccl"};
@@ -98,7 +98,7 @@ struct DataConfig {
 
 struct TrainOptions {
   std::string device = "cpu";      // cpu | cuda | auto
-  std::string optimizer = "adamw"; // adamw (fused kernel) | adamw_loop | sgd
+  std::string optimizer = "adamw"; // adamw (fused kernel) | adamw_loop | sgd | adamw8bit | adamw4bit
   double lr = 1e-3;
   double min_lr = 1e-4;            // floor of the cosine schedule
   int64_t warmup_steps = 20;
@@ -108,6 +108,8 @@ struct TrainOptions {
   double beta2 = 0.95;
   double eps = 1e-8;
   double momentum = 0.9;           // sgd
+  int64_t optimizer_block = 0;     // adamw8bit/4bit: values per absmax; 0 = 256 (8-bit) or 128 (4-bit)
+  int64_t optimizer_min_quantized = 4096;  // adamw8bit/4bit: smaller parameters keep fp32 moments
   double grad_clip = 1.0;          // max global grad norm; 0 = off
   int64_t micro_batch = 16;        // samples per forward/backward, per rank
   int64_t accum_steps = 1;         // micro-batches per optimizer step
@@ -144,6 +146,7 @@ struct MemoryConfig {
   bool estimate = true;             // estimate the peak before step 1 (a probe forward + backward), compare with the measured
   std::string budget_mib = "0";     // the planner: MiB per rank | auto (free device memory, less a margin) | 0 (off)
   double budget_headroom = 0.05;    // the planner: share of the budget a chosen plan's estimate leaves free (its error)
+  bool allow_lowbit_optimizer = false;  // the planner may store AdamW's moments in 8, then 4 bits when nothing else fits
   // CUDA's caching allocator (PYTORCH_CUDA_ALLOC_CONF's settings, as [memory] keys) and its history.
   bool snapshot = false;            // record the allocator's history; write memory_snapshot.rank<N>.pickle (memory_viz)
   bool expandable_segments = false; // segments that grow in place instead of new ones (less fragmentation)

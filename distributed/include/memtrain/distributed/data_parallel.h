@@ -72,6 +72,10 @@ struct DataParallelOptions {
   std::vector<std::pair<std::string, torch::Tensor>> frozen = {};
   std::vector<int64_t> frozen_units = {};
   bool offload = false;               // stages 1-3: the stepped part and its optimizer state in host memory
+  // Each trainable parameter starts at a multiple of `align` elements of its bucket, and each rank's part is
+  // a multiple of it: a rank's part of a parameter then starts at a multiple of `align` of the parameter's
+  // elements, whatever the world size (low-bit optimizer state: blocks never straddle two ranks).
+  int64_t align = 1;
 };
 
 // Where a parameter lives: its name (FQN), its bucket, its element offset there, its shape.

@@ -12,6 +12,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <map>
+#include <optional>
 #include <set>
 #include <memory>
 #include <string>
@@ -21,14 +22,17 @@ namespace memtrain {
 
 // What make_optimizer builds. The runtime's factory fills it from [train].
 struct OptimizerOptions {
-  enum class Kind { kAdamW, kAdamWLoop, kSgd };
-  Kind kind = Kind::kAdamW;    // kAdamW: FusedAdamW; kAdamWLoop: LibTorch's per-parameter AdamW; kSgd
+  enum class Kind { kAdamW, kAdamWLoop, kSgd, kAdamW8bit, kAdamW4bit };
+  Kind kind = Kind::kAdamW;    // kAdamW: FusedAdamW; kAdamWLoop: LibTorch's per-parameter AdamW; kSgd;
+                               // kAdamW8bit / kAdamW4bit: LowBitAdamW (lowbit_adamw.h)
   double lr = 1e-3;
   double weight_decay = 0.1;   // matrices and filters only
   double beta1 = 0.9;
   double beta2 = 0.95;
   double eps = 1e-8;
   double momentum = 0.9;       // sgd
+  int64_t block = 0;           // low-bit: values per absmax; 0 = the kind's default (8-bit 256, 4-bit 128)
+  int64_t min_quantized = 4096;  // low-bit: smaller parameters keep fp32 moments
 };
 
 // AdamW on ATen's fused multi-tensor kernel (_fused_adamw_, CPU and CUDA): one kernel per step
@@ -55,6 +59,10 @@ class FusedAdamW : public torch::optim::Optimizer {
   std::map<const void*, torch::Tensor> steps_;  // per parameter: () fp32 step count
 };
 
+struct LowBitOptions;
+// kAdamW8bit / kAdamW4bit: the bits, block and threshold of their state; nullopt for the other kinds.
+std::optional<LowBitOptions> lowbit_options(const OptimizerOptions& options);
+
 // Weight decay goes to matrices and filters (dim >= 2) only; biases, norms and other vectors get none.
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& options,
                                                         const torch::OrderedDict<std::string, torch::Tensor>& params);
@@ -66,18 +74,35 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& 
 
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr);
 
+// Whether the optimizer can step some of its tensors at a time with the same result as one step()
+// (FusedAdamW, LowBitAdamW: element-wise, a step count per tensor), and that partial step.
+bool steps_in_parts(const torch::optim::Optimizer& optimizer);
+void step_only(torch::optim::Optimizer& optimizer, const std::vector<torch::Tensor>& params);
+
 // The optimizer's state for one stepped tensor, by field: AdamW (both kinds) "exp_avg", "exp_avg_sq" (the
-// tensor's shape) and "step" (() int64 count of applied steps); SGD "momentum_buffer". Empty before the
+// tensor's shape) and "step" (() int64 count of applied steps); SGD "momentum_buffer"; low-bit AdamW, for
+// a quantized tensor, "exp_avg_codes", "exp_avg_sq_codes" (uint8, a value per element, or per two at 4 bits),
+// "exp_avg_absmax", "exp_avg_sq_absmax" (fp32, one per block) and "step", else as AdamW. Empty before the
 // tensor's first step. What a name-keyed checkpoint saves: it holds no TensorImpl address.
 std::map<std::string, torch::Tensor> get_param_state(const torch::optim::Optimizer& optimizer, const torch::Tensor& param);
 // Replaces that state with copies of `state` (the same fields; every tensor of the parameter's shape, or
 // as many elements), on the parameter's device and dtype. Throws Error naming a missing field.
 void set_param_state(torch::optim::Optimizer& optimizer, const torch::Tensor& param,
                      const std::map<std::string, torch::Tensor>& state);
-// The fields get_param_state returns for this optimizer's kind (what a checkpoint must hold).
-std::vector<std::string> param_state_fields(const torch::optim::Optimizer& optimizer);
+// The fields get_param_state returns for a parameter of `whole_numel` elements (what a checkpoint must hold),
+// each with the parameter's elements per saved value: 1 for a moment, 2 for 4-bit codes, the block for an
+// absmax, 0 for the () step count. A part [begin, end) of the parameter holds values [begin / k, end / k).
+struct StateField {
+  std::string name;
+  int64_t per_value = 1;
+};
+std::vector<StateField> param_state_fields(const torch::optim::Optimizer& optimizer, int64_t whole_numel = 0);
+// Low-bit AdamW: the stepped tensor that is a part of a parameter of `whole_numel` elements (a ZeRO segment);
+// other optimizers ignore it.
+void set_whole_numel(torch::optim::Optimizer& optimizer, const torch::Tensor& stepped, int64_t whole_numel);
 
-// Every tensor the optimizer keeps as state (AdamW: exp_avg, exp_avg_sq; SGD: momentum buffer).
+// Every tensor the optimizer keeps as state (AdamW: exp_avg, exp_avg_sq; SGD: momentum buffer; low-bit
+// AdamW: codes and absmaxes, or the fp32 moments of what it does not quantize).
 std::vector<torch::Tensor> optimizer_state_tensors(const torch::optim::Optimizer& optimizer);
 
 struct CosineScheduleOptions {

@@ -43,6 +43,8 @@ struct TrainableSelection {
 TrainableSelection select_trainable(Model& model, const Config& config);
 // train.optimizer (choices::optimizer) and its hyper-parameters.
 OptimizerOptions optimizer_options(const TrainOptions& train);
+// adamw8bit / adamw4bit: values per absmax (train.optimizer_block, or the kind's default); 0 for the others.
+int64_t optimizer_block(const TrainOptions& train);
 // train.lr / min_lr / warmup_steps / steps: the cosine schedule.
 CosineScheduleOptions schedule_options(const TrainOptions& train);
 // train.loss_scale_*: fp16's dynamic loss scaler.

@@ -45,6 +45,11 @@ struct EstimateInputs {
   int64_t param_bytes = 4;            // per element: 4 fp32, 2 bf16 (train.param_dtype)
   bool master_weights = false;        // bf16 parameters stepped through fp32 masters
   int64_t state_bytes = 8;            // optimizer state per stepped element: AdamW 8 (two fp32 moments), SGD 4 or 0
+  // Low-bit AdamW: the elements of parameters whose moments are quantized, and their state per element
+  // (two moments' codes plus absmaxes: 2 (1 + 4 / block) at 8 bits, 2 (1/2 + 4 / block) at 4); the others
+  // take state_bytes.
+  int64_t quantized_elements = 0;
+  double quantized_state_bytes = 0;
   int64_t data_bytes = 0;             // the dataset in host memory
   bool cuda = false;                  // the training device is a GPU: host and device apart
   int world = 1;

@@ -22,6 +22,10 @@ struct PlanCandidate {
   std::string head = "plain";      // memory.head
   int stage = 0;                   // dist.zero_stage (several ranks)
   bool offload = false;            // dist.offload_optimizer = cpu (considered on CUDA, where it frees the device)
+  // train.optimizer when the planner changes it (memory.allow_lowbit_optimizer: adamw8bit, adamw4bit); "" = as
+  // configured. Fewer bits rank after more whatever their speed: numerics are changed only where nothing else fits.
+  std::string optimizer;
+  int lowbit_rank = 0;             // 0 as configured, 1 adamw8bit, 2 adamw4bit
   MemoryEstimate estimate;
   double step_ms = 0;              // predicted step time (the time model: plan_step_ms or the probe's timings)
   std::string describe() const;    // "micro-batch 8 x 2, recompute all, head fused, stage 2"
@@ -41,7 +45,7 @@ struct Plan {
 };
 
 // The fastest candidate whose estimated device peak is at most `budget_bytes` x (1 - `headroom`) (ties: the
-// smaller peak). The headroom (memory.budget_headroom) is kept for the estimate's error: an estimate a
+// smaller peak), among those of the lowest lowbit_rank that has one. The headroom (memory.budget_headroom) is kept for the estimate's error: an estimate a
 // few percent under the measured peak must not put a plan that just fits over the budget. Nothing fits: a
 // ConfigError naming the smallest feasible budget, its settings and the part of the estimate that
 // dominates it.

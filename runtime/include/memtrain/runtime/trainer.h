@@ -224,7 +224,8 @@ class Trainer {
   // after `preface`); ConfigError on every rank when rank 0 finds nothing that fits.
   PlanCandidate agreed_choice(const std::vector<PlanCandidate>& candidates, int64_t budget, bool timed,
                               const std::string& preface);
-  EstimateInputs estimate_inputs(int world) const;
+  // `optimizer`: the train.optimizer whose state to count; "" = the configured one.
+  EstimateInputs estimate_inputs(int world, const std::string& optimizer = "") const;
   void make_estimate();                    // setup(): estimate_ for this run
   // Before the probe at micro_batch: says what it measures, and stops with an error naming the free memory
   // when the model's published formula puts its activations above it.
@@ -270,6 +271,7 @@ class Trainer {
   MemoryEstimate estimate_;
   std::vector<PlanCandidate> plan_candidates_;  // memory.budget_mib: every setting estimated
   int64_t plan_budget_ = 0;
+  int plan_lowbit_rank_ = 0;  // the chosen plan's (memory.allow_lowbit_optimizer): corrections keep its state
   bool plan_corrected_ = false;
   ActivationProbe probe_keep_, probe_drop_;
   bool stopped_by_signal_ = false;
