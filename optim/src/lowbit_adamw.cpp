@@ -98,21 +98,27 @@ inline uint32_t prefix(float y) {
 class Encoder {
  public:
   Encoder(const torch::Tensor& map) : n_(static_cast<int>(map.numel())), values_(map.data_ptr<float>(), map.data_ptr<float>() + map.numel()) {
-    first_.resize(65536), last_.resize(65536);
+    range_.resize(65536);
     for (uint32_t p = 0; p < 65536; ++p) {
       float lo, hi;
       const uint32_t a = p << 16, b = (p << 16) | 0xffffu;
       std::memcpy(&lo, &a, sizeof lo);
       std::memcpy(&hi, &b, sizeof hi);
-      const int x = search(lo, values_.data(), n_), y = search(hi, values_.data(), n_);  // search is monotone in y
-      first_[p] = static_cast<uint8_t>(std::min(x, y)), last_[p] = static_cast<uint8_t>(std::max(x, y));
+      // search is monotone in y; the prefixes of infinity and NaN hold +-inf (search: the ends) and NaNs (0, set below).
+      const bool special = ((p >> 7) & 0xff) == 0xff;
+      const int x = search(lo, values_.data(), n_), y = special ? x : search(hi, values_.data(), n_);
+      range_[p] = static_cast<uint16_t>(std::min(x, y) | std::max(x, y) << 8);
+      width_ = std::max(width_, std::abs(y - x));
     }
   }
   uint8_t operator()(float y) const {
     const uint32_t p = prefix(y);
     const float* map = values_.data();
-    int c = first_[p];
-    for (const int end = last_[p]; c < end && map[c + 1] <= y;) ++c;
+    const uint16_t range = range_[p];
+    int c = range & 0xff;
+    const int end = range >> 8;
+    for (int step = 0; step < width_; ++step) c += (c < end) & (map[std::min(c + 1, n_ - 1)] <= y);  // no data-dependent branch
+    c = y == y ? c : 0;  // NaN: the search's 0
     const int up = c + 1 < n_ ? c + 1 : n_ - 1;
     const float lo = map[c];
     return static_cast<uint8_t>(y - lo >= (map[up] - lo) * 0.5f ? up : c);
@@ -121,7 +127,8 @@ class Encoder {
  private:
   int n_;
   std::vector<float> values_;
-  std::vector<uint8_t> first_, last_;
+  std::vector<uint16_t> range_;  // per prefix: the first candidate | the last << 8
+  int width_ = 0;                // the most candidates past the first of any prefix (1 for the maps used here)
 };
 
 struct LowBitEncoders {
@@ -154,17 +161,39 @@ Scalars scalars(const torch::optim::AdamWOptions& o, int64_t step) {
 }
 
 // ATen's CPU lerp: start + w (end - start) for |w| < 0.5, else end - (1 - w)(end - start), one fused multiply-add.
-inline float lerp(float start, float end, float w) {
+[[gnu::always_inline]] inline float lerp(float start, float end, float w) {
   return std::abs(w) < 0.5f ? std::fma(w, end - start, start) : std::fma(w - 1.0f, end - start, end);
 }
 
 // One element's update: p, m, v in place.
-inline void adamw(float& p, float g, float& m, float& v, const Scalars& k) {
+[[gnu::always_inline]] inline void adamw(float& p, float g, float& m, float& v, const Scalars& k) {
   p = p - k.lr_wd * p;
   m = lerp(m, g, k.w1);
   v = lerp(v, g * g, k.w2);
   const float denom = std::sqrt(v) / k.bc2_sqrt + k.eps;
   p = p - k.lr * (m / k.bc1) / denom;
+}
+
+// The update of n elements in place (p, m, v): a loop the compiler vectorizes. Two builds of it, one for CPUs
+// with AVX2 and FMA (8 lanes; ATen's lerp is itself a fused multiply-add, so FMA is needed for its bits), one for
+// any x86-64; this file is compiled with -ffp-contract=off, so no other product and sum are fused.
+[[gnu::always_inline]] inline void update_span(float* __restrict p, const float* __restrict g, float* __restrict m,
+                                               float* __restrict v, int64_t n, const Scalars& k) {
+  for (int64_t i = 0; i < n; ++i) adamw(p[i], g[i], m[i], v[i], k);
+}
+#if defined(__x86_64__)
+[[gnu::target("avx2,fma")]] void update_span_avx2(float* p, const float* g, float* m, float* v, int64_t n, const Scalars& k) {
+  update_span(p, g, m, v, n, k);
+}
+#endif
+void update_span_any(float* p, const float* g, float* m, float* v, int64_t n, const Scalars& k) { update_span(p, g, m, v, n, k); }
+
+void update(float* p, const float* g, float* m, float* v, int64_t n, const Scalars& k) {
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2) return update_span_avx2(p, g, m, v, n, k);
+#endif
+  update_span_any(p, g, m, v, n, k);
 }
 
 // CPU, fp32 parameter and gradient: one pass per block (decode, update, re-encode).
@@ -177,9 +206,7 @@ void step_cpu(const torch::Tensor& param, const torch::Tensor& grad, LowBitAdamW
   if (!s.quantized()) {
     float* m = s.exp_avg.data_ptr<float>();
     float* v = s.exp_avg_sq.data_ptr<float>();
-    at::parallel_for(0, n, 16384, [&](int64_t lo, int64_t hi) {
-      for (int64_t i = lo; i < hi; ++i) adamw(p[i], g[i], m[i], v[i], k);
-    });
+    at::parallel_for(0, n, 16384, [&](int64_t lo, int64_t hi) { update(p + lo, g + lo, m + lo, v + lo, hi - lo, k); });
     return;
   }
   const int64_t B = o.block;
@@ -206,9 +233,9 @@ void step_cpu(const torch::Tensor& param, const torch::Tensor& grad, LowBitAdamW
           v[i] = map_v[cv >> 4] * av, v[i + 1] = map_v[cv & 15] * av;
         }
       }
+      update(p + base, g + base, m.data(), v.data(), B, k);
       float top_m = 0, top_v = 0;
       for (int64_t i = 0; i < B; ++i) {
-        adamw(p[base + i], g[base + i], m[i], v[i], k);
         top_m = std::max(top_m, std::abs(m[i]));  // NaN never wins: a non-finite step is skipped before this
         top_v = std::max(top_v, std::abs(v[i]));
       }
