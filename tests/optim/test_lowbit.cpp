@@ -3,6 +3,8 @@
 // a run, its checkpoints refused by a run of another block size, and the planner's rule for it.
 #include <gtest/gtest.h>
 
+#include <torch/cuda.h>
+
 #include <cmath>
 
 #include "helpers.h"
@@ -158,6 +160,32 @@ TEST(LowBit, OneAndTwoHundredStepsFollowTorchaosAdamW) {
           }
           EXPECT_EQ(state.at("step").item<int64_t>(), t + 1);
         }
+      }
+    }
+  }
+}
+
+TEST(LowBit, CudaStepsAsTorchaosSkipWithoutGpu) {
+  // The ATen path on the GPU: codes and absmaxes after one step as torchao's, parameters within 1e-6.
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const auto& ref = reference();
+  for (int bits : {8, 4}) {
+    SCOPED_TRACE(bits);
+    Trajectory run(bits, false);
+    for (auto& p : run.params) p = p.detach().to(torch::kCUDA).requires_grad_();
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    auto o = torch::optim::AdamWOptions(1e-3).betas({0.9, 0.95}).weight_decay(0.1).eps(1e-8);
+    groups.emplace_back(run.params, std::make_unique<torch::optim::AdamWOptions>(o));
+    run.opt = std::make_unique<LowBitAdamW>(std::move(groups), o, LowBitOptions{.bits = bits, .block = bits == 8 ? 256 : 128});
+    for (size_t i = 0; i < run.params.size(); ++i)
+      run.params[i].mutable_grad() = (ref.at("bank/0/" + run.names[i]).to(torch::kCUDA) + run.params[i].detach() * 0.5);
+    run.opt->step();
+    const auto at = "b" + std::to_string(bits) + "/step1/";
+    for (size_t i = 0; i < run.params.size(); ++i) {
+      EXPECT_LT(test::relative_error(run.params[i].detach().cpu(), ref.at(at + run.names[i])), 1e-6) << run.names[i];
+      const auto state = get_param_state(*run.opt, run.params[i]);
+      if (ref.count(at + run.names[i] + ".m_codes")) {
+        EXPECT_LT(state.at("exp_avg_codes").cpu().ne(ref.at(at + run.names[i] + ".m_codes")).sum().item<int64_t>(), 3) << run.names[i];
       }
     }
   }

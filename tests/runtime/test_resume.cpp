@@ -88,6 +88,17 @@ TEST(Resume, BitExactWithEachOptimizerAndTheFusedHead) {
   }
 }
 
+TEST(Resume, BitExactWithLowBitStateBf16MastersAndOffload) {
+  // 8-bit moments of fp32 masters, in host memory (offload: the update bucket by bucket, step_only).
+  auto c = test::tiny_gpt_config();
+  c.train.optimizer = "adamw8bit";
+  c.train.precision = "bf16";
+  c.train.param_dtype = "bf16";
+  c.dist.zero_stage = 1;
+  c.dist.offload_optimizer = "cpu";
+  expect_bit_exact_resume(c, 6);
+}
+
 TEST(Resume, TheBudgetPlanIsSavedAndRestored) {
   auto c = test::tiny_gpt_config(4);
   c.memory.recompute = "budget:0.8";  // some blocks recomputed (0.56 MiB with all of them), not all
