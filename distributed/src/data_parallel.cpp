@@ -124,7 +124,9 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
       }
     }
     auto& b = *buckets_.back();
-    const int64_t align = std::max<int64_t>(1, options_.align);
+    const int64_t align = options_.align > 1 && p.numel() >= options_.align_min_numel && p.numel() % options_.align == 0
+                              ? options_.align
+                              : 1;
     b.offsets.push_back((b.size + align - 1) / align * align);
     b.size = b.offsets.back() + p.numel();
     members.back().push_back(p);

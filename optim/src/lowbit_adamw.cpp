@@ -61,10 +61,10 @@ std::pair<torch::Tensor, torch::Tensor> quantize_blockwise(const torch::Tensor& 
   // The largest code whose value is <= y (0 if none), by a branchless binary search, then one up when y is
   // at least half-way to the next value.
   const int64_t n = map.numel();
-  auto codes = torch::zeros(y.sizes(), y.options().dtype(torch::kLong));
-  for (int64_t step = n / 2; step > 0; step /= 2) codes += torch::where(y >= map.take(codes + step), step, 0);
+  auto codes = torch::zeros(y.sizes(), y.options().dtype(torch::kInt));
+  for (int64_t step = n / 2; step > 0; step /= 2) codes.add_((y >= map.index_select(0, codes + step)).to(torch::kInt), step);
   auto up = (codes + 1).clamp_max(n - 1);
-  auto lo = map.take(codes), hi = map.take(up);
+  auto lo = map.index_select(0, codes), hi = map.index_select(0, up);
   codes = torch::where((y - lo) >= (hi - lo) * 0.5, up, codes).to(torch::kUInt8);
   if (bits == 4) codes = torch::bitwise_or(torch::bitwise_left_shift(codes.slice(0, 0, c10::nullopt, 2), 4), codes.slice(0, 1, c10::nullopt, 2));
   return {codes, absmax};
@@ -253,8 +253,8 @@ void step_cpu(const torch::Tensor& param, const torch::Tensor& grad, LowBitAdamW
   });
 }
 
-// Any device and dtype: the same arithmetic as ATen ops.
-void step_aten(const torch::Tensor& param, const torch::Tensor& grad, LowBitAdamWParamState& s, const Scalars& k,
+// Any device and dtype: the same arithmetic as ATen ops, on one chunk of whole blocks.
+void step_aten_chunk(const torch::Tensor& param, const torch::Tensor& grad, LowBitAdamWParamState& s, const Scalars& k,
                const std::array<torch::Tensor, 2>& maps, const LowBitOptions& o, double beta1, double beta2) {
   auto p = param.reshape({-1}).to(torch::kFloat);
   const auto g = grad.reshape({-1}).to(torch::kFloat);
@@ -273,7 +273,35 @@ void step_aten(const torch::Tensor& param, const torch::Tensor& grad, LowBitAdam
   }
   const auto denom = v.sqrt() / static_cast<double>(k.bc2_sqrt) + static_cast<double>(k.eps);
   p = p - static_cast<double>(k.lr) * (m / static_cast<double>(k.bc1)) / denom;
-  param.copy_(p.view(param.sizes()));
+  param.copy_(p);
+}
+
+// The same over the tensor in chunks of whole blocks (about 1M elements): the ATen ops' temporaries (~60 bytes an
+// element) stay a few dozen MB whatever the tensor's size.
+void step_aten(const torch::Tensor& param, const torch::Tensor& grad, LowBitAdamWParamState& s, const Scalars& k,
+               const std::array<torch::Tensor, 2>& maps, const LowBitOptions& o, double beta1, double beta2) {
+  const int64_t n = param.numel();
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 20) / o.block) * o.block;
+  const auto work = param.is_contiguous() ? param : param.contiguous();
+  auto flat_param = work.view({-1});
+  const auto flat_grad = grad.reshape({-1});
+  const int64_t per_code = o.bits == 8 ? 1 : 2;
+  for (int64_t begin = 0; begin < n; begin += chunk) {
+    const int64_t end = std::min(n, begin + chunk);
+    LowBitAdamWParamState part;  // views of this chunk's state
+    if (s.quantized()) {
+      part.exp_avg_codes = s.exp_avg_codes.narrow(0, begin / per_code, (end - begin) / per_code);
+      part.exp_avg_sq_codes = s.exp_avg_sq_codes.narrow(0, begin / per_code, (end - begin) / per_code);
+      part.exp_avg_absmax = s.exp_avg_absmax.narrow(0, begin / o.block, (end - begin) / o.block);
+      part.exp_avg_sq_absmax = s.exp_avg_sq_absmax.narrow(0, begin / o.block, (end - begin) / o.block);
+    } else {
+      part.exp_avg = s.exp_avg.narrow(0, begin, end - begin);
+      part.exp_avg_sq = s.exp_avg_sq.narrow(0, begin, end - begin);
+    }
+    auto slice = flat_param.narrow(0, begin, end - begin);
+    step_aten_chunk(slice, flat_grad.narrow(0, begin, end - begin), part, k, maps, o, beta1, beta2);
+  }
+  if (!work.is_same(param)) param.copy_(work);
 }
 
 }  // namespace

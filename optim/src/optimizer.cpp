@@ -213,8 +213,14 @@ void set_param_state(torch::optim::Optimizer& optimizer, const torch::Tensor& pa
       s->exp_avg_absmax = sized("exp_avg_absmax", blocks, torch::kFloat);
       s->exp_avg_sq_absmax = sized("exp_avg_sq_absmax", blocks, torch::kFloat);
     } else {
-      s->exp_avg = like_param("exp_avg").reshape({-1}).to(torch::kFloat);
-      s->exp_avg_sq = like_param("exp_avg_sq").reshape({-1}).to(torch::kFloat);
+      auto moment = [&](const std::string& name) {  // fp32 whatever the parameter's dtype
+        auto t = field(name);
+        MEMTRAIN_CHECK(t.numel() == param.numel(), Error, "[optim] state '", name, "' has ", t.numel(), " elements, the parameter ",
+                       param.numel());
+        return t.reshape({-1}).to(param.device(), torch::kFloat, /*non_blocking=*/false, /*copy=*/true);
+      };
+      s->exp_avg = moment("exp_avg");
+      s->exp_avg_sq = moment("exp_avg_sq");
     }
     s->step = field("step").to(torch::kLong).item<int64_t>();
     optimizer.state()[key] = std::move(s);

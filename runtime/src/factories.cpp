@@ -189,7 +189,8 @@ DataParallelOptions data_parallel_options(const Config& c, bool bf16_parameters,
           .units = d.zero_stage == 3 ? units : std::vector<int64_t>{},
           .prefetch = d.prefetch,
           .offload = d.offload_optimizer == "cpu",
-          .align = std::max<int64_t>(1, optimizer_block(c.train))};
+          .align = std::max<int64_t>(1, optimizer_block(c.train)),
+          .align_min_numel = c.train.optimizer_min_quantized};
 }
 
 }  // namespace memtrain

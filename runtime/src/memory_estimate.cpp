@@ -45,7 +45,11 @@ MemoryEstimate estimate_memory(const EstimateInputs& in) {
 
   // Moments of `stepped` elements: the quantized share at its bytes per element, the rest at state_bytes.
   auto moment_bytes = [&](int64_t stepped) {
-    const int64_t q = p == 0 ? 0 : std::min(stepped, (in.quantized_elements * stepped + p - 1) / p);
+    // (in doubles: quantized_elements x stepped overflows int64 past ~3e9 parameters)
+    const int64_t q = p == 0 ? 0
+                             : std::clamp<int64_t>(std::llround(static_cast<double>(in.quantized_elements) /
+                                                                static_cast<double>(p) * static_cast<double>(stepped)),
+                                                   0, stepped);
     return in.state_bytes * (stepped - q) + static_cast<int64_t>(std::llround(in.quantized_state_bytes * static_cast<double>(q)));
   };
   MemoryParts dev, host;

@@ -48,10 +48,15 @@ std::vector<ShardPiece> Trainer::state_pieces() const {
   auto add_state = [&](const std::string& name, const torch::Tensor& stepped, const std::vector<int64_t>& shape,
                        int64_t begin, int64_t end) {
     const auto numel = c10::multiply_integers(shape);
+    std::map<std::string, int64_t> per_value;
+    for (const auto& f : param_state_fields(*optimizer_, numel)) per_value[f.name] = f.per_value;
     for (const auto& [field, value] : get_param_state(*optimizer_, stepped)) {
-      if (value.dim() == 0) {
+      const auto it = per_value.find(field);
+      MEMTRAIN_CHECK(it != per_value.end(), Error, "[checkpoint] the optimizer's state of '", name, "' has a field '", field,
+                     "' its kind does not list");
+      if (const int64_t k = it->second; k == 0) {
         if (begin == 0) add("optim/" + name + "/" + field, value, {}, 0, 1);
-      } else if (const int64_t k = (end - begin) / value.numel(); k == 1) {
+      } else if (k == 1) {
         add("optim/" + name + "/" + field, value, shape, begin, end);
       } else {
         add("optim/" + name + "/" + field, value, {numel / k}, begin / k, end / k);
@@ -140,6 +145,7 @@ std::string Trainer::save_checkpoint() {
       meta.fields = {{"config", config_.to_ini()},
                      {"optimizer", config_.train.optimizer},
                      {"optimizer_block", std::to_string(state_block(*optimizer_))},
+                     {"optimizer_min_quantized", std::to_string(config_.train.optimizer_min_quantized)},
                      {"param_dtype", config_.train.param_dtype},
                      {"precision", config_.train.precision},
                      {"micro_batch_split", std::to_string(split_)},
@@ -169,6 +175,10 @@ std::set<std::string> Trainer::check_checkpoint(const std::string& path, const L
   MEMTRAIN_CHECK(saved_block.empty() || saved_block == block || fp32_adamw.count(saved_optimizer) || saved_optimizer == "sgd",
                  DataError, "[checkpoint] ", path, " was saved with ", saved_optimizer, " state in blocks of ", saved_block,
                  " values (train.optimizer_block); this run uses ", block, ": their codes and absmaxes differ");
+  const auto saved_min = field("optimizer_min_quantized"), min = std::to_string(config_.train.optimizer_min_quantized);
+  MEMTRAIN_CHECK(saved_min.empty() || saved_min == min || state_block(*optimizer_) == 0, DataError, "[checkpoint] ", path,
+                 " was saved with train.optimizer_min_quantized = ", saved_min, "; this run uses ", min,
+                 ": other parameters have quantized moments");
   std::map<std::string, torch::Tensor> params;
   for (size_t i = 0; i < params_.size(); ++i) params[param_names_[i]] = params_[i];
   std::map<std::string, torch::Tensor> buffers;

@@ -90,7 +90,7 @@ def main():
              "", "| optimizer | memtrain ms/step | vs fp32 AdamW | state bytes | vs fp32 | PyTorch ms/step | memtrain / PyTorch |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['optimizer']} | {r['ms']:.1f} | {r['time_ratio']:.3f}x | {r['state']:,} | {r['state_ratio']:.3f}x "
+        lines.append(f"| {r['optimizer']} | {r['ms']:.1f} | {r['time_ratio']:.3f}x | {r['state']:,} | {r['state_ratio']:.4f}x "
                      f"| {r['py_ms']:.1f} | {r['vs_python']:.2f}x |")
     lines += ["", f"Final validation loss of the whole default job (600 steps), seeds {', '.join(map(str, SEEDS))}; the spread "
               f"of fp32 AdamW's over the seeds is {spread:.4f}.", "",
@@ -103,7 +103,7 @@ def main():
         r = next(x for x in rows if x["optimizer"] == o)
         ok = lambda b: "yes" if b else "**no**"
         lines.append(f"- {o}: time {r['time_ratio']:.3f}x <= {t_goal}: {ok(r['time_ratio'] <= t_goal)}; state "
-                     f"{r['state_ratio']:.3f}x <= {s_goal}: {ok(r['state_ratio'] <= s_goal)}; |loss delta| "
+                     f"{r['state_ratio']:.4f}x <= {s_goal}: {ok(r['state_ratio'] <= s_goal)}; |loss delta| "
                      f"{abs(r['val_delta']):.4f} <= spread {spread:.4f}: {ok(abs(r['val_delta']) <= spread)}")
     text = "\n".join(lines) + "\n"
     print(text)

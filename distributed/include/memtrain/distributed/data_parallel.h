@@ -72,10 +72,12 @@ struct DataParallelOptions {
   std::vector<std::pair<std::string, torch::Tensor>> frozen = {};
   std::vector<int64_t> frozen_units = {};
   bool offload = false;               // stages 1-3: the stepped part and its optimizer state in host memory
-  // Each trainable parameter starts at a multiple of `align` elements of its bucket, and each rank's part is
-  // a multiple of it: a rank's part of a parameter then starts at a multiple of `align` of the parameter's
-  // elements, whatever the world size (low-bit optimizer state: blocks never straddle two ranks).
+  // Each trainable parameter of at least `align_min_numel` elements and a multiple of `align` starts at a
+  // multiple of `align` elements of its bucket, and each rank's part is a multiple of it: a rank's part of such
+  // a parameter is then whole `align`-blocks of it, whatever the world size (low-bit optimizer state: blocks
+  // never straddle two ranks; the other parameters keep fp32 state and need no alignment).
   int64_t align = 1;
+  int64_t align_min_numel = 0;
 };
 
 // Where a parameter lives: its name (FQN), its bucket, its element offset there, its shape.
