@@ -284,5 +284,26 @@ TEST(Planner, LowBitStateIsChosenOnlyWhereNothingWithFp32MomentsFits) {
   EXPECT_EQ(plan.chosen.optimizer, "adamw4bit");
 }
 
+TEST(Planner, LowBitStateIsPlannedOnlyWhenAllowedAndThenTheRunFits) {
+  // Model states by arithmetic: the tied embedding is 20,000 x 64 = 1.28M elements: 5.12 MB of fp32 parameters
+  // and AdamW's two moments 10.24 MB; 8-bit moments are 2 x (1.28M + 4 x 1.28M / 256) = 2.6 MB, 7.6 MB (7.3 MiB)
+  // less. The step's own peak adds about 15 MiB whatever the planner recomputes (the embedding's gradient is born
+  // in backward, 5.12 MB, with its scatter's temporaries): fp32 moments need about 29 MiB, over 26 MiB less the
+  // 5% headroom (24.7 MiB); 8-bit ones about 22 MiB.
+  auto c = test::tiny_gpt_config();
+  c.model.n_embd = 64;
+  c.model.vocab_size = 20000;
+  c.train.micro_batch = 2;
+  c.memory.budget_mib = "26";
+  const auto e = test::error_of([&] { Trainer t(c); });
+  EXPECT_NE(e.find("memory.budget_mib = 26 cannot be met"), std::string::npos) << e;
+  c.memory.allow_lowbit_optimizer = true;
+  Trainer t(c);
+  EXPECT_EQ(t.config().train.optimizer, "adamw8bit");
+  for (int s = 0; s < 2; ++s) t.step();
+  EXPECT_LE(t.tracker().last().at(0).peak_allocated, 26 * (int64_t{1} << 20));
+  EXPECT_LT(t.tracker().last().at(0).resident.optimizer_state, 3'000'000);
+}
+
 }  // namespace
 }  // namespace memtrain
