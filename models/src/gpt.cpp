@@ -147,4 +147,11 @@ std::string GPT::describe() const {
   return os.str();
 }
 
+int64_t GPTOptions::block_parameter_count() const {
+  const int64_t C = n_embd;
+  return 12 * C * C + 4 * C + (bias ? 9 * C : 0);  // qkv 3C^2, proj C^2, fc 4C^2, proj 4C^2; two LayerNorms 4C
+}
+
+int64_t GPTOptions::root_parameter_count() const { return vocab_size * n_embd + block_size * n_embd + 2 * n_embd; }
+
 }  // namespace memtrain

@@ -51,12 +51,16 @@ LlamaOptions LlamaOptions::preset(const std::string& name) {
   throw Error("[model] unknown Llama preset '" + name + "'; expected " + preset_names());
 }
 
-int64_t LlamaOptions::parameter_count() const {
+int64_t LlamaOptions::block_parameter_count() const {
   const int64_t C = n_embd, kv = n_kv_head * head_dim(), q = n_head * head_dim(), F = ffn_hidden;
   const int64_t attn = C * q + 2 * C * kv + q * C + (qkv_bias ? q + 2 * kv : 0) + (out_bias ? C : 0);
   const int64_t mlp = 3 * C * F + (mlp_bias ? 2 * F + C : 0);
-  return vocab_size * C * (tie_embeddings ? 1 : 2) + n_layer * (attn + mlp + 2 * C) + C;
+  return attn + mlp + 2 * C;
 }
+
+int64_t LlamaOptions::root_parameter_count() const { return vocab_size * n_embd * (tie_embeddings ? 1 : 2) + n_embd; }
+
+int64_t LlamaOptions::parameter_count() const { return n_layer * block_parameter_count() + root_parameter_count(); }
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps_) : eps(eps_) {
   weight = register_parameter("weight", torch::ones({dim}));

@@ -15,11 +15,14 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <iomanip>
 #include <iostream>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -45,6 +48,9 @@ constexpr const char* kUsage =
     "[--top-k K] prints N token ids continuing the prompt (default: token 0).\n"
     "Estimate: memtrain estimate [--ranks N] --config X [--section.key=value ...] prints each rank's peak memory by\n"
     "component before anything trains (a probe forward + backward at two small micro-batches), and by ZeRO stage.\n"
+    "memtrain estimate --target h100-80gb|h200-141gb|a100-40gb|a100-80gb|cpu:64GiB|BYTES [--nproc-per-node N]\n"
+    "[--nnodes M] --config X answers for a machine that need not be this one, without building the model (gpt,\n"
+    "llama): each rank's model states by ZeRO stage against the target's memory (activations not counted yet).\n"
     "Evaluate: memtrain eval --config X [--model.init_from=DIR | --weights FILE.safetensors] prints 'val loss L' over\n"
     "the validation windows (train.eval_batches of train.micro_batch) and writes it to <log.dir>/<log.name>-eval/summary.json.\n"
     "Export: memtrain export --checkpoint PATH --out DIR [--dtype float32|bfloat16|float16] [--max-shard-mb N] writes a\n"
@@ -120,6 +126,46 @@ int estimate(const memtrain::Config& config, int ranks) {
     }
   }
   std::cout << "json: " << e.to_json() << "\n";
+  return 0;
+}
+
+// `memtrain estimate --target T`: model states per rank for a machine that need not be this one, from the
+// config's shapes alone (nothing built, no data read), for every ZeRO stage.
+int estimate_target(const memtrain::Config& config, const std::string& target_spec, int nproc_per_node, int nnodes) {
+  const auto begin = std::chrono::steady_clock::now();
+  const auto target = memtrain::parse_target(target_spec);
+  const int world = nproc_per_node * nnodes;
+  auto in = memtrain::model_state_inputs(config, world);
+  in.cuda = target.cuda;
+  std::cout << "model: " << config.model.name << (config.model.preset != "custom" ? " " + config.model.preset : std::string())
+            << ", " << std::accumulate(in.block_elements.begin(), in.block_elements.end(), in.root_elements) << " parameters (" << in.block_elements.size() << " blocks), param_dtype "
+            << config.train.param_dtype << ", optimizer " << config.train.optimizer << "\n"
+            << "target: " << target.name << ", " << memtrain::format_bytes(target.bytes) << " per "
+            << (target.cuda ? "GPU" : "host") << ", " << world << (world == 1 ? " rank" : " ranks") << " ("
+            << nnodes << " x " << nproc_per_node << ")\n"
+            << "model states per rank (parameters, gradients, optimizer state with fp32 masters; activations, "
+               "workspaces and the CUDA context are not counted here):\n";
+  const int64_t params = std::accumulate(in.block_elements.begin(), in.block_elements.end(), in.root_elements);
+  for (int stage = 0; stage <= 3; ++stage) {
+    for (bool offload : {false, true}) {
+      if ((offload && stage == 0) || (world == 1 && stage > 1) || (world == 1 && stage == 1 && !offload)) continue;
+      auto v = in;
+      v.stage = stage, v.offload = offload;
+      const auto e = memtrain::estimate_memory(v);
+      int64_t device = e.device.params + e.device.grads + e.device.optimizer_state + e.device.gathered + e.device.buckets_in_flight;
+      // One process without offload: the gradients are born in backward (the probe's, when there is one); counted
+      // here whole, with the fp32 masters' when parameters are bf16.
+      if (world == 1 && !offload) device += params * in.param_bytes + (in.master_weights ? 4 * params : 0);
+      std::ostringstream share;
+      share << std::fixed << std::setprecision(1) << 100.0 * static_cast<double>(device) / static_cast<double>(target.bytes);
+      std::cout << "  stage " << stage << (offload ? " + offload" : "          ") << "  device "
+                << memtrain::format_bytes(device) << " (" << share.str() << "% of " << target.name << ")"
+                << (offload ? ", host " + memtrain::format_bytes(e.host.optimizer_state) : std::string())
+                << (device > target.bytes ? "  does not fit" : "") << "\n";
+    }
+  }
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count();
+  std::cout << "answered in " << ms << " ms, nothing allocated for the model\n";
   return 0;
 }
 
@@ -220,6 +266,8 @@ struct Args {
   bool print_parameters = false;
   bool estimate_only = false;
   int estimate_ranks = 0;
+  std::string target;                          // estimate --target
+  int nproc_per_node = 1, nnodes = 1;          // estimate --target's world
   std::string subcommand;                      // "" (train) | estimate | eval | export
   std::map<std::string, std::string> exporting;  // export's flags
 };
@@ -257,6 +305,27 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
         std::cerr << "memtrain: estimate: --ranks '" << v << "' is not a whole number >= 1\n";
         return 2;
       }
+    } else if (estimate_only && (arg == "--target" || arg == "--nproc-per-node" || arg == "--nnodes")) {
+      if (i + 1 >= argc) {
+        std::cerr << "memtrain: estimate: " << arg << " needs a value\n";
+        return 2;
+      }
+      const std::string v = argv[++i];
+      if (arg == "--target") {
+        a.target = v;
+        continue;
+      }
+      size_t used = 0;
+      int n = 0;
+      try {
+        n = std::stoi(v, &used);
+      } catch (const std::exception&) {
+      }
+      if (used != v.size() || n < 1) {
+        std::cerr << "memtrain: estimate: " << arg << " '" << v << "' is not a whole number >= 1\n";
+        return 2;
+      }
+      (arg == "--nnodes" ? a.nnodes : a.nproc_per_node) = n;
     } else if (a.subcommand == "export" && arg == "--merged") {
       a.exporting[arg] = "true";
     } else if (a.subcommand == "export" &&
@@ -327,6 +396,7 @@ int main(int argc, char** argv) {
       return eval(config, args.sampling);
     }
     MEMTRAIN_CHECK(args.sampling.empty(), memtrain::ConfigError, args.sampling.begin()->first, " is for --generate");
+    if (args.estimate_only && !args.target.empty()) return estimate_target(config, args.target, args.nproc_per_node, args.nnodes);
     if (args.estimate_only) return estimate(config, args.estimate_ranks);
     trainer = std::make_unique<memtrain::Trainer>(config);
     trainer->fit();

@@ -1,6 +1,7 @@
 #include "memtrain/runtime/factories.h"
 
 #include <filesystem>
+#include <numeric>
 #include <sstream>
 
 #include "memtrain/core/error.h"
@@ -65,18 +66,84 @@ LlamaOptions llama_options(const ModelConfig& c, int64_t vocab) {
   return o;
 }
 
+GPTOptions gpt_options(const ModelConfig& c, int64_t vocab) {
+  GPTOptions o;
+  if (c.preset != "custom") {
+    o = GPTOptions::preset(c.preset);
+  } else {
+    o.n_layer = c.n_layer, o.n_head = c.n_head, o.n_embd = c.n_embd, o.block_size = c.block_size;
+  }
+  o.dropout = c.dropout;
+  o.bias = c.bias;
+  if (c.vocab_size > 0) o.vocab_size = c.vocab_size;
+  else if (c.preset == "custom" || c.preset == "tiny") o.vocab_size = vocab;
+  return o;
+}
+
+EstimateInputs model_state_inputs(const Config& config, int world) {
+  const auto& c = config.model;
+  MEMTRAIN_CHECK(is_language_model(c), ConfigError, "[estimate] --target estimates gpt and llama without building them; "
+                 "model.name = ", c.name, " is estimated by building it and probing (memtrain estimate without --target)");
+  MEMTRAIN_CHECK(config.lora.rank == 0 && config.train.freeze.empty(), ConfigError, "[estimate] --target does not count "
+                 "[lora] or train.freeze yet; estimate them without --target");
+  // The vocabulary without reading the data: the key, the preset's, or byte-level text's 256.
+  int64_t vocab = c.vocab_size;
+  if (vocab == 0 && c.preset != "custom" && c.preset != "tiny")
+    vocab = c.name == "gpt" ? GPTOptions::preset(c.preset).vocab_size : LlamaOptions::preset(c.preset).vocab_size;
+  if (vocab == 0 && config.data.dataset == "text" && config.data.tokens.empty()) vocab = 256;
+  MEMTRAIN_CHECK(vocab > 0, ConfigError, "[estimate] --target reads no data: set model.vocab_size (the token set's "
+                 "vocabulary) or a preset");
+  // Each tensor's elements, a block's and the rest's (the root unit: embeddings, final norm, an untied head).
+  std::vector<int64_t> block, root;
+  int64_t layers = 0;
+  if (c.name == "gpt") {
+    const auto o = gpt_options(c, vocab);
+    const int64_t C = o.n_embd;
+    block = {3 * C * C, C * C, 4 * C * C, 4 * C * C, C, C, C, C};  // qkv, proj, fc, proj; two LayerNorms
+    if (o.bias) block.insert(block.end(), {3 * C, C, 4 * C, C});
+    root = {o.vocab_size * C, o.block_size * C, C, C};             // tied head
+    layers = o.n_layer;
+  } else {
+    const auto o = llama_options(c, vocab);
+    const int64_t C = o.n_embd, q = o.n_head * o.head_dim(), kv = o.n_kv_head * o.head_dim(), F = o.ffn_hidden;
+    block = {C * q, C * kv, C * kv, q * C, C * F, C * F, F * C, C, C};
+    if (o.qkv_bias) block.insert(block.end(), {q, kv, kv});
+    if (o.out_bias) block.push_back(C);
+    if (o.mlp_bias) block.insert(block.end(), {F, F, C});
+    root = {o.vocab_size * C, C};
+    if (!o.tie_embeddings) root.push_back(o.vocab_size * C);
+    layers = o.n_layer;
+  }
+  const auto sum = [](const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v.end(), int64_t{0}); };
+  EstimateInputs in;
+  in.block_elements.assign(static_cast<size_t>(layers), sum(block));
+  in.root_elements = sum(root);
+  const bool bf16 = config.train.param_dtype == "bf16";
+  in.param_bytes = bf16 ? 2 : 4;
+  in.master_weights = bf16;
+  const auto& t = config.train;
+  in.state_bytes = t.optimizer == "sgd" ? (t.momentum != 0 ? 4 : 0) : 8;
+  if (const auto low = lowbit_options(optimizer_options(t))) {
+    in.quantized_state_bytes = quantized_bytes_per_element(*low);
+    for (auto n : block)
+      if (quantizes(*low, n)) in.quantized_elements += layers * n;
+    for (auto n : root)
+      if (quantizes(*low, n)) in.quantized_elements += n;
+  }
+  in.world = world;
+  in.stage = static_cast<int>(config.dist.zero_stage);
+  in.offload = config.dist.offload_optimizer == "cpu";
+  in.bucket_mib = config.dist.bucket_mib;
+  in.prefetch = config.dist.prefetch;
+  in.micro_batch = t.micro_batch;
+  in.accum_steps = t.accum_steps;
+  in.reduce_every_micro_batch = config.dist.reduce == "micro_batch" || bf16;
+  return in;
+}
+
 std::shared_ptr<Model> make_model(const ModelConfig& c, const DataInfo& data) {
   if (c.name == "gpt") {
-    GPTOptions o;
-    if (c.preset != "custom") {
-      o = GPTOptions::preset(c.preset);
-    } else {
-      o.n_layer = c.n_layer, o.n_head = c.n_head, o.n_embd = c.n_embd, o.block_size = c.block_size;
-    }
-    o.dropout = c.dropout;
-    o.bias = c.bias;
-    if (c.vocab_size > 0) o.vocab_size = c.vocab_size;
-    else if (c.preset == "custom" || c.preset == "tiny") o.vocab_size = data.vocab_size;
+    const auto o = gpt_options(c, data.vocab_size);
     MEMTRAIN_CHECK(o.vocab_size >= data.vocab_size, ConfigError, "[model] vocab_size ", o.vocab_size,
                    " is smaller than the data's vocabulary (", data.vocab_size, " tokens)");
     return std::make_shared<GPT>(o);

@@ -3,10 +3,12 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <functional>
 #include <numeric>
 #include <sstream>
 
+#include "memtrain/core/error.h"
 #include "memtrain/core/memory_tracker.h"
 
 namespace memtrain {
@@ -158,6 +160,37 @@ std::string MemoryEstimate::to_json() const {
   nlohmann::json j = {{"device", parts(device)}, {"method", method}};
   if (cuda) j["host"] = parts(host);
   return j.dump();
+}
+
+Target parse_target(const std::string& spec) {
+  // memory.total in MiB as nvidia-smi prints it for each product (SXM parts; PCIe a100-40gb reports 40,960 too).
+  static const std::vector<std::pair<std::string, int64_t>> gpus = {
+      {"a100-40gb", 40960}, {"a100-80gb", 81920}, {"h100-80gb", 81559}, {"h200-141gb", 143771}};
+  for (const auto& [name, mib] : gpus)
+    if (spec == name) return {name, true, mib * (int64_t{1} << 20)};
+  auto number = [&](const std::string& text, int64_t unit) -> int64_t {
+    size_t used = 0;
+    double v = -1;
+    try {
+      v = std::stod(text, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    MEMTRAIN_CHECK(used == text.size() && v > 0, ConfigError, "[estimate] --target '", spec, "': '", text,
+                   "' is not a positive number");
+    return static_cast<int64_t>(v * static_cast<double>(unit));
+  };
+  if (spec.rfind("cpu:", 0) == 0) {
+    const auto size = spec.substr(4);
+    for (const auto& [suffix, unit] : std::vector<std::pair<std::string, int64_t>>{{"GiB", int64_t{1} << 30}, {"GB", 1000000000}})
+      if (size.size() > suffix.size() && size.compare(size.size() - suffix.size(), suffix.size(), suffix) == 0)
+        return {spec, false, number(size.substr(0, size.size() - suffix.size()), unit)};
+    throw ConfigError("[estimate] --target '" + spec + "': a host's memory is cpu:<N>GiB or cpu:<N>GB");
+  }
+  if (!spec.empty() && std::isdigit(static_cast<unsigned char>(spec[0]))) return {spec, true, number(spec, 1)};
+  std::string names;
+  for (const auto& [name, mib] : gpus) names += (names.empty() ? "" : " | ") + name;
+  throw ConfigError("[estimate] unknown --target '" + spec + "'; expected " + names + " | cpu:<N>GiB | a byte count");
 }
 
 }  // namespace memtrain

@@ -7,8 +7,10 @@
 #include <filesystem>
 #include <torch/cuda.h>
 #include <fstream>
+#include <numeric>
 
 #include "helpers.h"
+#include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/memory_estimate.h"
 #include "memtrain/runtime/trainer.h"
 
@@ -412,6 +414,67 @@ TEST(Reports, BlockSpansWithRecomputeAndOnTwoRanksInStageThree) {
       EXPECT_EQ((per_step[{step, "reduce-scatter"}]), layers + 1) << "step " << step;
     }
   }
+}
+
+TEST(TargetEstimate, TargetsParseAndAnUnknownOneIsNamed) {
+  EXPECT_EQ(parse_target("h100-80gb").bytes, int64_t{81559} << 20);  // nvidia-smi's memory.total, MiB
+  EXPECT_TRUE(parse_target("a100-40gb").cuda);
+  EXPECT_EQ(parse_target("cpu:64GiB").bytes, int64_t{64} << 30);
+  EXPECT_FALSE(parse_target("cpu:64GiB").cuda);
+  EXPECT_EQ(parse_target("cpu:2GB").bytes, 2000000000);
+  EXPECT_EQ(parse_target("123456").bytes, 123456);
+  const auto e = test::error_of([] { parse_target("h100"); });
+  EXPECT_NE(e.find("unknown --target 'h100'"), std::string::npos) << e;
+  EXPECT_NE(e.find("h200-141gb"), std::string::npos) << e;
+  EXPECT_NE(test::error_of([] { parse_target("cpu:lots"); }).find("cpu:<N>GiB"), std::string::npos);
+}
+
+TEST(TargetEstimate, ModelStateElementsWithoutBuildingAreTheBuiltModels) {
+  // Each family's tensors by arithmetic against the parameters of a model built from the same config.
+  for (const std::string name : {"gpt", "llama"}) {
+    for (int variant = 0; variant < 2; ++variant) {
+      SCOPED_TRACE(name + " " + std::to_string(variant));
+      auto c = test::tiny_gpt_config(3);
+      c.model.name = name;
+      c.model.vocab_size = 300;
+      c.model.n_embd = 64, c.model.n_head = 4;
+      if (name == "gpt") c.model.bias = variant == 0;
+      if (name == "llama") c.model.n_kv_head = variant == 0 ? 4 : 2, c.model.attn_bias = variant == 0 ? "none" : "all",
+                           c.model.tie_embeddings = variant == 1;
+      const auto in = model_state_inputs(c, 1);
+      Trainer t(c);
+      ASSERT_EQ(in.block_elements.size(), static_cast<size_t>(t.model().num_blocks()));
+      for (int64_t b = 0; b < t.model().num_blocks(); ++b) {
+        int64_t built = 0;
+        for (const auto& p : t.model().block_parameters(b)) built += p.numel();
+        EXPECT_EQ(in.block_elements[static_cast<size_t>(b)], built) << "block " << b;
+      }
+      int64_t all = 0;
+      for (const auto& p : t.parameters()) all += p.numel();
+      EXPECT_EQ(std::accumulate(in.block_elements.begin(), in.block_elements.end(), in.root_elements), all);
+    }
+  }
+}
+
+TEST(TargetEstimate, EightBillionParametersOnEightGpusIsAnsweredWithoutBuildingAndMatchesDeepSpeedsStateTerms) {
+  // Llama-3.1-8B (8,030,261,248 parameters), bf16 parameters with fp32 masters and AdamW, 8 ranks, ZeRO-3.
+  // DeepSpeed's estimate_zero3_model_states_mem_needs (no offload): 4 x largest layer + 18 P / N bytes, of which
+  // 16 P / N are the same terms memtrain keeps sharded: 2 (bf16 parameters) + 12 (fp32 masters, two fp32 moments)
+  // + 2 (the bf16 gradient, which memtrain frees after its reduce-scatter: not held here). memtrain's sharded
+  // parameters and optimizer state are 14 P / N, to a bucket's padding.
+  auto c = Config::load("", {"--model.name=llama", "--model.preset=llama-3.1-8b", "--train.param_dtype=bf16",
+                             "--dist.zero_stage=3", "--data.dataset=synthetic"});
+  const auto begin = std::chrono::steady_clock::now();
+  const auto in = model_state_inputs(c, 8);
+  const auto e = estimate_memory(in);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count(), 1.0);
+  const int64_t P = 8030261248;
+  EXPECT_EQ(std::accumulate(in.block_elements.begin(), in.block_elements.end(), in.root_elements), P);
+  EXPECT_NEAR(static_cast<double>(e.device.params), 2.0 * P / 8, 1e-3 * 2.0 * P / 8);
+  EXPECT_NEAR(static_cast<double>(e.device.optimizer_state), 12.0 * P / 8, 1e-3 * 12.0 * P / 8);
+  const double deepspeed_sharded_without_grads = 16.0 * P / 8 - 2.0 * P / 8;
+  EXPECT_NEAR(static_cast<double>(e.device.params + e.device.optimizer_state), deepspeed_sharded_without_grads,
+              1e-3 * deepspeed_sharded_without_grads);
 }
 
 }  // namespace

@@ -28,6 +28,10 @@ struct GPTOptions {
   // tiny (2x2x64, for tests), gpt2 (124M), gpt2-medium (350M), gpt2-large (774M), gpt2-xl (1.5B);
   // the GPT-2 presets use vocab 50257 and context 1024.
   static GPTOptions preset(const std::string& name);
+  // Parameters by arithmetic, without building the model: one block's (12 C^2 + 4 C, + 9 C with biases) and the
+  // rest's (token and position embeddings, final LayerNorm; the head is the tied token embedding).
+  int64_t block_parameter_count() const;
+  int64_t root_parameter_count() const;
 };
 
 class CausalSelfAttentionImpl : public torch::nn::Module {

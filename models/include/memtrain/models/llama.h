@@ -45,8 +45,11 @@ struct LlamaOptions {
   bool mlp_bias = false;            // biases on gate, up, down (Llama's mlp_bias)
 
   int64_t head_dim() const { return n_embd / n_head; }
-  // Parameters by arithmetic, without building the model (tied embeddings once).
+  // Parameters by arithmetic, without building the model (tied embeddings once): the whole model, one block,
+  // and the rest (embedding, final norm, an untied head).
   int64_t parameter_count() const;
+  int64_t block_parameter_count() const;
+  int64_t root_parameter_count() const;
   // llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, qwen2.5-0.5b, qwen2.5-7b, mistral-7b (v0.1): the published
   // shapes; block_size stays whatever the caller sets (the training context, not the model's longest).
   static LlamaOptions preset(const std::string& name);

@@ -11,11 +11,13 @@
 
 #include "memtrain/core/config.h"
 #include "memtrain/data/datasets.h"
+#include "memtrain/models/gpt.h"
 #include "memtrain/models/llama.h"
 #include "memtrain/models/lora.h"
 #include "memtrain/models/model.h"
 #include "memtrain/distributed/data_parallel.h"
 #include "memtrain/optim/optimizer.h"
+#include "memtrain/runtime/memory_estimate.h"
 #include "memtrain/runtime/precision.h"
 
 namespace memtrain {
@@ -31,6 +33,12 @@ bool is_language_model(const ModelConfig& config);
 // The Llama options model.name = llama describes (its preset's shape, or the keys'), vocabulary `vocab`
 // where neither gives one.
 LlamaOptions llama_options(const ModelConfig& config, int64_t vocab);
+// The GPT options model.name = gpt describes, vocabulary `vocab` where neither the key nor the preset gives one.
+GPTOptions gpt_options(const ModelConfig& config, int64_t vocab);
+// The estimate's model states for gpt and llama without building the model or reading data (each tensor's
+// elements by arithmetic), for `world` ranks; no activations (its probe is empty). ConfigError for other
+// models and for [lora] / train.freeze (not counted here yet).
+EstimateInputs model_state_inputs(const Config& config, int world);
 // [lora] as the adapters' options.
 LoraOptions lora_options(const LoraConfig& lora);
 // What trains, on a built model: with lora.rank > 0 the adapters (and lora.init_from's weights) are added and

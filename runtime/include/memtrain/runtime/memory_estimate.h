@@ -93,4 +93,15 @@ struct MemoryEstimate {
 
 MemoryEstimate estimate_memory(const EstimateInputs& in);
 
+// A machine to estimate for (`memtrain estimate --target`), which need not be this one: its kind and the memory of
+// one device (a GPU, or the host for cpu:).
+struct Target {
+  std::string name;
+  bool cuda = true;
+  int64_t bytes = 0;
+};
+// a100-40gb | a100-80gb | h100-80gb | h200-141gb (memory.total as nvidia-smi reports it for the SXM parts) |
+// cpu:<N>GiB | cpu:<N>GB | a byte count (a GPU). Throws ConfigError naming the spec and the names it knows.
+Target parse_target(const std::string& spec);
+
 }  // namespace memtrain
