@@ -308,7 +308,7 @@ void step_aten(const torch::Tensor& param, const torch::Tensor& grad, LowBitAdam
 
 LowBitAdamW::LowBitAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::AdamWOptions defaults,
                          LowBitOptions lowbit)
-    : Optimizer(std::move(groups), std::make_unique<torch::optim::AdamWOptions>(defaults)), lowbit_(lowbit) {
+    : PartialStepOptimizer(std::move(groups), std::make_unique<torch::optim::AdamWOptions>(defaults)), lowbit_(lowbit) {
   MEMTRAIN_CHECK(!defaults.amsgrad(), Error, "[optim] low-bit AdamW does not implement amsgrad");
   MEMTRAIN_CHECK(lowbit_.bits == 8 || lowbit_.bits == 4, Error, "[optim] low-bit state has 8 or 4 bits, not ", lowbit_.bits);
   MEMTRAIN_CHECK(lowbit_.block >= 2 && lowbit_.block % 2 == 0, Error, "[optim] the quantization block must be an even number of values >= 2, not ",
@@ -319,21 +319,7 @@ LowBitAdamW::LowBitAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, 
 
 void LowBitAdamW::set_whole_numel(const torch::Tensor& stepped, int64_t numel) { whole_numel_[stepped.unsafeGetTensorImpl()] = numel; }
 
-torch::Tensor LowBitAdamW::step(LossClosure closure) { return update(closure, nullptr); }
-
-void LowBitAdamW::step_only(const std::vector<torch::Tensor>& params) {
-  std::set<const void*> only;
-  for (const auto& p : params) only.insert(p.unsafeGetTensorImpl());
-  update(nullptr, &only);
-}
-
-torch::Tensor LowBitAdamW::update(const LossClosure& closure, const std::set<const void*>* only) {
-  torch::NoGradGuard no_grad;
-  torch::Tensor loss;
-  if (closure) {
-    torch::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
+void LowBitAdamW::update(const std::set<const void*>* only) {
   struct Item {
     torch::Tensor param;
     LowBitAdamWParamState* state;
@@ -388,7 +374,6 @@ torch::Tensor LowBitAdamW::update(const LossClosure& closure, const std::set<con
       step_aten(p, grad, s, slot->second, maps->second, lowbit_, beta1, beta2);
     }
   }
-  return loss;
 }
 
 }  // namespace memtrain

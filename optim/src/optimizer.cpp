@@ -63,25 +63,29 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& 
 }
 
 FusedAdamW::FusedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::AdamWOptions defaults)
-    : Optimizer(std::move(groups), std::make_unique<torch::optim::AdamWOptions>(defaults)) {
+    : PartialStepOptimizer(std::move(groups), std::make_unique<torch::optim::AdamWOptions>(defaults)) {
   MEMTRAIN_CHECK(!defaults.amsgrad(), Error, "[optim] FusedAdamW does not implement amsgrad");
 }
 
-torch::Tensor FusedAdamW::step(LossClosure closure) { return update(closure, nullptr); }
-
-void FusedAdamW::step_only(const std::vector<torch::Tensor>& params) {
-  std::set<const void*> only;
-  for (const auto& p : params) only.insert(p.unsafeGetTensorImpl());
-  update(nullptr, &only);
-}
-
-torch::Tensor FusedAdamW::update(const LossClosure& closure, const std::set<const void*>* only) {
-  torch::NoGradGuard no_grad;
+torch::Tensor PartialStepOptimizer::step(LossClosure closure) {
   torch::Tensor loss;
   if (closure) {
     torch::AutoGradMode enable_grad(true);
     loss = closure();
   }
+  torch::NoGradGuard no_grad;
+  update(nullptr);
+  return loss;
+}
+
+void PartialStepOptimizer::step_only(const std::vector<torch::Tensor>& params) {
+  std::set<const void*> only;
+  for (const auto& p : params) only.insert(p.unsafeGetTensorImpl());
+  torch::NoGradGuard no_grad;
+  update(&only);
+}
+
+void FusedAdamW::update(const std::set<const void*>* only) {
   // 1. Missing state first, for every group: an allocation that fails leaves nothing updated.
   struct Call {
     const torch::optim::AdamWOptions* options;
@@ -127,7 +131,6 @@ torch::Tensor FusedAdamW::update(const LossClosure& closure, const std::set<cons
     at::_fused_adamw_(c.params, c.grads, c.exp_avgs, c.exp_avg_sqs, /*max_exp_avg_sqs=*/{}, c.steps, o.lr(), beta1,
                       beta2, o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false);
   }
-  return loss;
 }
 
 torch::Tensor FusedAdamW::step_count(const torch::Tensor& param) const {
@@ -183,16 +186,16 @@ void set_param_state(torch::optim::Optimizer& optimizer, const torch::Tensor& pa
                    param.sizes());
     return it->second;
   };
-  auto like_param = [&](const std::string& name) {
+  auto like_param = [&](const std::string& name, torch::ScalarType dtype) {
     auto t = field(name);
     MEMTRAIN_CHECK(t.numel() == param.numel(), Error, "[optim] state '", name, "' has ", t.numel(),
                    " elements, the parameter ", param.numel());
-    return t.reshape(param.sizes()).to(param.device(), param.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+    return t.reshape(param.sizes()).to(param.device(), dtype, /*non_blocking=*/false, /*copy=*/true);
   };
   void* key = param.unsafeGetTensorImpl();
   if (dynamic_cast<torch::optim::SGD*>(&optimizer)) {
     auto s = std::make_unique<torch::optim::SGDParamState>();
-    s->momentum_buffer(like_param("momentum_buffer"));
+    s->momentum_buffer(like_param("momentum_buffer", param.scalar_type()));
     optimizer.state()[key] = std::move(s);
     return;
   }
@@ -213,36 +216,20 @@ void set_param_state(torch::optim::Optimizer& optimizer, const torch::Tensor& pa
       s->exp_avg_absmax = sized("exp_avg_absmax", blocks, torch::kFloat);
       s->exp_avg_sq_absmax = sized("exp_avg_sq_absmax", blocks, torch::kFloat);
     } else {
-      auto moment = [&](const std::string& name) {  // fp32 whatever the parameter's dtype
-        auto t = field(name);
-        MEMTRAIN_CHECK(t.numel() == param.numel(), Error, "[optim] state '", name, "' has ", t.numel(), " elements, the parameter ",
-                       param.numel());
-        return t.reshape({-1}).to(param.device(), torch::kFloat, /*non_blocking=*/false, /*copy=*/true);
-      };
-      s->exp_avg = moment("exp_avg");
-      s->exp_avg_sq = moment("exp_avg_sq");
+      s->exp_avg = like_param("exp_avg", torch::kFloat).reshape({-1});  // fp32 whatever the parameter's dtype
+      s->exp_avg_sq = like_param("exp_avg_sq", torch::kFloat).reshape({-1});
     }
     s->step = field("step").to(torch::kLong).item<int64_t>();
     optimizer.state()[key] = std::move(s);
     return;
   }
   auto s = std::make_unique<torch::optim::AdamWParamState>();
-  s->exp_avg(like_param("exp_avg"));
-  s->exp_avg_sq(like_param("exp_avg_sq"));
+  s->exp_avg(like_param("exp_avg", param.scalar_type()));
+  s->exp_avg_sq(like_param("exp_avg_sq", param.scalar_type()));
   const auto count = field("step").to(torch::kLong).item<int64_t>();
   s->step(count);
   optimizer.state()[key] = std::move(s);
   if (auto* fused = dynamic_cast<FusedAdamW*>(&optimizer)) fused->set_step_count(param, static_cast<double>(count));
-}
-
-bool steps_in_parts(const torch::optim::Optimizer& optimizer) {
-  return dynamic_cast<const FusedAdamW*>(&optimizer) || dynamic_cast<const LowBitAdamW*>(&optimizer);
-}
-
-void step_only(torch::optim::Optimizer& optimizer, const std::vector<torch::Tensor>& params) {
-  if (auto* fused = dynamic_cast<FusedAdamW*>(&optimizer)) return fused->step_only(params);
-  if (auto* low = dynamic_cast<LowBitAdamW*>(&optimizer)) return low->step_only(params);
-  throw Error("[optim] this optimizer cannot step a part of its tensors alone");
 }
 
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {

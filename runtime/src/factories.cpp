@@ -114,30 +114,33 @@ EstimateInputs model_state_inputs(const Config& config, int world) {
     if (!o.tie_embeddings) root.push_back(o.vocab_size * C);
     layers = o.n_layer;
   }
-  const auto sum = [](const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v.end(), int64_t{0}); };
+  auto trained = root;
+  for (int64_t l = 0; l < layers; ++l) trained.insert(trained.end(), block.begin(), block.end());
+  auto in = estimate_settings(config.train, config.dist, world, config.train.param_dtype == "bf16", trained);
+  in.block_elements.assign(static_cast<size_t>(layers), std::accumulate(block.begin(), block.end(), int64_t{0}));
+  in.root_elements = std::accumulate(root.begin(), root.end(), int64_t{0});
+  return in;
+}
+
+EstimateInputs estimate_settings(const TrainOptions& t, const DistConfig& d, int world, bool bf16,
+                                 const std::vector<int64_t>& trained) {
   EstimateInputs in;
-  in.block_elements.assign(static_cast<size_t>(layers), sum(block));
-  in.root_elements = sum(root);
-  const bool bf16 = config.train.param_dtype == "bf16";
   in.param_bytes = bf16 ? 2 : 4;
   in.master_weights = bf16;
-  const auto& t = config.train;
   in.state_bytes = t.optimizer == "sgd" ? (t.momentum != 0 ? 4 : 0) : 8;
   if (const auto low = lowbit_options(optimizer_options(t))) {
     in.quantized_state_bytes = quantized_bytes_per_element(*low);
-    for (auto n : block)
-      if (quantizes(*low, n)) in.quantized_elements += layers * n;
-    for (auto n : root)
+    for (auto n : trained)
       if (quantizes(*low, n)) in.quantized_elements += n;
   }
   in.world = world;
-  in.stage = static_cast<int>(config.dist.zero_stage);
-  in.offload = config.dist.offload_optimizer == "cpu";
-  in.bucket_mib = config.dist.bucket_mib;
-  in.prefetch = config.dist.prefetch;
+  in.stage = static_cast<int>(d.zero_stage);
+  in.offload = d.offload_optimizer == "cpu";
+  in.bucket_mib = d.bucket_mib;
+  in.prefetch = d.prefetch;
   in.micro_batch = t.micro_batch;
   in.accum_steps = t.accum_steps;
-  in.reduce_every_micro_batch = config.dist.reduce == "micro_batch" || bf16;
+  in.reduce_every_micro_batch = d.reduce == "micro_batch" || bf16;  // as DataParallel's setup
   return in;
 }
 

@@ -337,8 +337,9 @@ void Trainer::clip_and_update(StepResult& r, const torch::Tensor& loss_sum) {
     in_optimizer_ = true;
     // Offload with an element-wise AdamW (fused, low-bit): the CPU update runs bucket by bucket inside
     // after_optimizer_step, each bucket's copy up and gather overlapping the next bucket's update.
-    if (dp_ && dp_->offload() && steps_in_parts(*optimizer_)) {
-      dp_->after_optimizer_step([this](const std::vector<torch::Tensor>& stepped) { step_only(*optimizer_, stepped); });
+    auto* partial = dp_ && dp_->offload() ? dynamic_cast<PartialStepOptimizer*>(optimizer_.get()) : nullptr;
+    if (partial) {
+      dp_->after_optimizer_step([partial](const std::vector<torch::Tensor>& stepped) { partial->step_only(stepped); });
       updated_in_place = true;
     } else {
       optimizer_->step();

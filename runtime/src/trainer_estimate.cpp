@@ -16,7 +16,6 @@
 
 #include "memtrain/core/cpu_memory.h"
 #include "memtrain/core/error.h"
-#include "memtrain/optim/lowbit_adamw.h"
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/device.h"
 #include "memtrain/runtime/trainer.h"
@@ -320,8 +319,11 @@ void Trainer::correct_plan(int64_t measured_peak) {
 }
 
 EstimateInputs Trainer::estimate_inputs(int world, const std::string& optimizer) const {
-  const auto& d = config_.dist;
-  EstimateInputs in;
+  auto train = config_.train;
+  if (!optimizer.empty()) train.optimizer = optimizer;
+  std::vector<int64_t> trained;
+  for (const auto& p : params_) trained.push_back(p.numel());
+  auto in = estimate_settings(train, config_.dist, world, param_dtype_ != torch::kFloat, trained);
   in.block_elements.assign(static_cast<size_t>(model_->num_blocks()), 0);
   for (size_t i = 0; i < params_.size(); ++i)
     (units_[i] < 0 ? in.root_elements : in.block_elements[static_cast<size_t>(units_[i])]) += params_[i].numel();
@@ -332,26 +334,8 @@ EstimateInputs Trainer::estimate_inputs(int world, const std::string& optimizer)
     (u < 0 || static_cast<size_t>(u) >= in.frozen_block_elements.size() ? in.frozen_root_elements
                                                                          : in.frozen_block_elements[static_cast<size_t>(u)]) += frozen_[i].numel();
   }
-  in.param_bytes = param_dtype_ == torch::kFloat ? 4 : 2;
-  in.master_weights = param_dtype_ != torch::kFloat;
-  auto train = config_.train;
-  if (!optimizer.empty()) train.optimizer = optimizer;
-  in.state_bytes = train.optimizer == "sgd" ? (train.momentum != 0 ? 4 : 0) : 8;
-  if (const auto low = lowbit_options(optimizer_options(train))) {
-    in.quantized_state_bytes = quantized_bytes_per_element(*low);
-    for (const auto& p : params_)
-      if (quantizes(*low, p.numel())) in.quantized_elements += p.numel();
-  }
   in.data_bytes = data_->resident_bytes();
   in.cuda = device_.is_cuda();
-  in.world = world;
-  in.stage = static_cast<int>(d.zero_stage);
-  in.offload = d.offload_optimizer == "cpu";
-  in.bucket_mib = d.bucket_mib;
-  in.prefetch = d.prefetch;
-  in.micro_batch = config_.train.micro_batch;
-  in.accum_steps = config_.train.accum_steps;
-  in.reduce_every_micro_batch = d.reduce == "micro_batch" || param_dtype_ != torch::kFloat;  // as DataParallel's setup
   if (policy_.budget_unresolved()) in.budget_bytes = static_cast<int64_t>(policy_.budget_mib * 1024 * 1024);
   const bool sharded = this->sharded(world);
   in.probe = sharded ? probe_drop_ : probe_keep_;

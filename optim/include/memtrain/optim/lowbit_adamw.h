@@ -23,6 +23,8 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
 
+#include "memtrain/optim/optimizer.h"
+
 #include <array>
 #include <map>
 #include <memory>
@@ -71,14 +73,11 @@ struct LowBitAdamWParamState : torch::optim::OptimizerCloneableParamState<LowBit
   bool quantized() const { return exp_avg_codes.defined(); }
 };
 
-class LowBitAdamW : public torch::optim::Optimizer {
+// Missing state is allocated for every parameter before any is updated.
+class LowBitAdamW : public PartialStepOptimizer {
  public:
   LowBitAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::AdamWOptions defaults,
               LowBitOptions lowbit);
-  // Missing state is allocated for every parameter before any is updated.
-  torch::Tensor step(LossClosure closure = nullptr) override;
-  // Steps only `params` (some of this optimizer's), as step() would (offload's bucket-by-bucket update).
-  void step_only(const std::vector<torch::Tensor>& params);
 
   // A stepped tensor that is part of a larger parameter (a ZeRO segment) is quantized as that parameter
   // would be; its part must then hold whole blocks. By default a tensor is its own parameter.
@@ -87,7 +86,7 @@ class LowBitAdamW : public torch::optim::Optimizer {
   const LowBitOptions& lowbit() const { return lowbit_; }
 
  private:
-  torch::Tensor update(const LossClosure& closure, const std::set<const void*>* only);
+  void update(const std::set<const void*>* only) override;
   LowBitOptions lowbit_;
   std::array<torch::Tensor, 2> maps_;                          // exp_avg's, exp_avg_sq's (CPU fp32)
   std::map<std::string, std::array<torch::Tensor, 2>> device_maps_;  // the same on other devices, moved once

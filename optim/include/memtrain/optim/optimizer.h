@@ -35,27 +35,37 @@ struct OptimizerOptions {
   int64_t min_quantized = 4096;  // low-bit: smaller parameters keep fp32 moments
 };
 
+// An optimizer whose update is element-wise with a step count per tensor, so that stepping some of its tensors at
+// a time (offload's update, bucket by bucket) gives the same bits as one step(): FusedAdamW, LowBitAdamW. The
+// closure and the partial steps are handled here; a subclass updates.
+class PartialStepOptimizer : public torch::optim::Optimizer {
+ public:
+  using Optimizer::Optimizer;
+  torch::Tensor step(LossClosure closure = nullptr) override;
+  // Steps only `params` (some of this optimizer's), exactly as step() would step them.
+  void step_only(const std::vector<torch::Tensor>& params);
+
+ protected:
+  // Updates every tensor with a gradient (only those in `only`, when given), all missing state allocated first.
+  virtual void update(const std::set<const void*>* only) = 0;
+};
+
 // AdamW on ATen's fused multi-tensor kernel (_fused_adamw_, CPU and CUDA): one kernel per step
 // and parameter group instead of ~10 per parameter. The same arithmetic as torch.optim.AdamW (and
 // LibTorch's AdamW). State per parameter: exp_avg and exp_avg_sq (AdamWParamState, like LibTorch's)
 // plus a 0-dim fp32 step counter on the parameter's device.
-class FusedAdamW : public torch::optim::Optimizer {
+// All missing state is allocated before any parameter is updated: an out-of-memory error in step() leaves every
+// parameter and moment as it was.
+class FusedAdamW : public PartialStepOptimizer {
  public:
   FusedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::AdamWOptions defaults);
-  // All missing state is allocated before any parameter is updated: an out-of-memory error in step()
-  // leaves every parameter and moment as it was.
-  torch::Tensor step(LossClosure closure = nullptr) override;
-  // Steps only `params` (some of this optimizer's), exactly as step() would step them: the kernel is
-  // element-wise and each parameter keeps its own step count, so stepping the parameters in parts, one
-  // after another, gives the same bits as one step() (offload's update, bucket by bucket).
-  void step_only(const std::vector<torch::Tensor>& params);
 
   // The () fp32 step count the kernel reads for `param`; undefined before its first step.
   torch::Tensor step_count(const torch::Tensor& param) const;
   void set_step_count(const torch::Tensor& param, double count);
 
  private:
-  torch::Tensor update(const LossClosure& closure, const std::set<const void*>* only);
+  void update(const std::set<const void*>* only) override;
   std::map<const void*, torch::Tensor> steps_;  // per parameter: () fp32 step count
 };
 
@@ -74,10 +84,7 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& 
 
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr);
 
-// Whether the optimizer can step some of its tensors at a time with the same result as one step()
-// (FusedAdamW, LowBitAdamW: element-wise, a step count per tensor), and that partial step.
-bool steps_in_parts(const torch::optim::Optimizer& optimizer);
-void step_only(torch::optim::Optimizer& optimizer, const std::vector<torch::Tensor>& params);
+
 
 // The optimizer's state for one stepped tensor, by field: AdamW (both kinds) "exp_avg", "exp_avg_sq" (the
 // tensor's shape) and "step" (() int64 count of applied steps); SGD "momentum_buffer"; low-bit AdamW, for

@@ -35,6 +35,11 @@ bool is_language_model(const ModelConfig& config);
 LlamaOptions llama_options(const ModelConfig& config, int64_t vocab);
 // The GPT options model.name = gpt describes, vocabulary `vocab` where neither the key nor the preset gives one.
 GPTOptions gpt_options(const ModelConfig& config, int64_t vocab);
+// What the config fixes in an estimate's inputs: bytes per element of the parameters (bf16 or fp32), masters and
+// optimizer state (low-bit: which of `trained`, the trained tensors' elements, are quantized), [dist] for `world`
+// ranks, and the batch.
+EstimateInputs estimate_settings(const TrainOptions& train, const DistConfig& dist, int world, bool bf16_parameters,
+                                 const std::vector<int64_t>& trained);
 // The estimate's model states for gpt and llama without building the model or reading data (each tensor's
 // elements by arithmetic), for `world` ranks; no activations (its probe is empty). ConfigError for other
 // models and for [lora] / train.freeze (not counted here yet).
