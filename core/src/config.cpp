@@ -250,8 +250,12 @@ std::vector<Entry> entries(Config& c) {
       entry("memory.offload", &mem.offload, "keep recomputed blocks' inputs in pinned CPU memory (CUDA)"),
       entry("memory.head", &mem.head, "plain | fused | fused:ROWS (LM head + loss in chunks of ROWS tokens; the logits never exist whole)", parses_with([](const std::string& v) { parse_head_rows(v); })),
       entry("memory.estimate", &mem.estimate,
-            "estimate each rank's peak before step 1 (model states from element counts, activations from a probe "
-            "forward + backward at two small micro-batches) and print it beside the measured peak"),
+            "estimate each rank's peak before step 1 (model states from element counts, activations in closed form "
+            "or from a probe) and print it beside the measured peak"),
+      entry("memory.estimate_method", &mem.estimate_method,
+            "auto: activations in closed form for gpt and llama without [lora] or train.freeze (nothing run or "
+            "allocated; docs/ESTIMATE.md), a probe forward + backward at two small micro-batches otherwise | "
+            "closed_form (an error where there is none) | probe", one_of(choices::estimate_method)),
       entry("memory.budget_mib", &mem.budget_mib,
             "plan to a memory budget per rank: MiB | auto (the device's free memory, on CPU the machine's available "
             "memory, less 10%) | 0 (off). The planner keeps the global batch and chooses train.micro_batch / "

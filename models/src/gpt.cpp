@@ -4,6 +4,7 @@
 #include <torch/nn/functional/linear.h>
 #include <torch/nn/init.h>
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -150,6 +151,14 @@ std::string GPT::describe() const {
 int64_t GPTOptions::block_parameter_count() const {
   const int64_t C = n_embd;
   return 12 * C * C + 4 * C + (bias ? 9 * C : 0);  // qkv 3C^2, proj C^2, fc 4C^2, proj 4C^2; two LayerNorms 4C
+}
+
+TransformerShape GPTOptions::shape() const {
+  const int64_t C = n_embd;
+  return {.family = TransformerShape::Family::kGpt, .layers = n_layer, .hidden = C, .heads = n_head, .kv_heads = n_head,
+          .ffn = 4 * C, .vocab = vocab_size, .context = block_size, .positions = block_size, .bias = bias, .tied = true,
+          .dropout = dropout, .block_parameters = block_parameter_count(), .root_parameters = root_parameter_count(),
+          .largest_parameter = std::max({vocab_size * C, block_size * C, 4 * C * C})};
 }
 
 int64_t GPTOptions::root_parameter_count() const { return vocab_size * n_embd + block_size * n_embd + 2 * n_embd; }

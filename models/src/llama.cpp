@@ -3,6 +3,7 @@
 #include <ATen/autocast_mode.h>
 #include <torch/nn/init.h>
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 #include <sstream>
@@ -26,6 +27,7 @@ constexpr Preset kPresets[] = {
     {"llama-3.2-1b", 128256, 2048, 8192, 16, 32, 8, 500000.0, 1e-5, true, false, 32.0},
     {"llama-3.2-3b", 128256, 3072, 8192, 28, 24, 8, 500000.0, 1e-5, true, false, 32.0},
     {"llama-3.1-8b", 128256, 4096, 14336, 32, 32, 8, 500000.0, 1e-5, false, false, 8.0},
+    {"llama-3.1-70b", 128256, 8192, 28672, 80, 64, 8, 500000.0, 1e-5, false, false, 8.0},
     {"qwen2.5-0.5b", 151936, 896, 4864, 24, 14, 2, 1000000.0, 1e-6, true, true, 0.0},
     {"qwen2.5-7b", 152064, 3584, 18944, 28, 28, 4, 1000000.0, 1e-6, false, true, 0.0},
     {"mistral-7b", 32000, 4096, 14336, 32, 32, 8, 10000.0, 1e-5, false, false, 0.0},
@@ -56,6 +58,15 @@ int64_t LlamaOptions::block_parameter_count() const {
   const int64_t attn = C * q + 2 * C * kv + q * C + (qkv_bias ? q + 2 * kv : 0) + (out_bias ? C : 0);
   const int64_t mlp = 3 * C * F + (mlp_bias ? 2 * F + C : 0);
   return attn + mlp + 2 * C;
+}
+
+TransformerShape LlamaOptions::shape() const {
+  const int64_t C = n_embd;
+  return {.family = TransformerShape::Family::kLlama, .layers = n_layer, .hidden = C, .heads = n_head,
+          .kv_heads = n_kv_head, .ffn = ffn_hidden, .vocab = vocab_size, .context = block_size, .positions = 0,
+          .bias = qkv_bias || out_bias || mlp_bias, .tied = tie_embeddings, .dropout = 0,
+          .block_parameters = block_parameter_count(), .root_parameters = root_parameter_count(),
+          .largest_parameter = std::max(vocab_size * C, C * ffn_hidden)};
 }
 
 int64_t LlamaOptions::root_parameter_count() const { return vocab_size * n_embd * (tie_embeddings ? 1 : 2) + n_embd; }

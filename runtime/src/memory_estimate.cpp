@@ -118,9 +118,14 @@ MemoryEstimate estimate_memory(const EstimateInputs& in) {
       dev.activations = std::max(dev.activations, in.probe_dropped.at(in.micro_batch) + resident_grads);
     }
     std::ostringstream m;
-    m << "activations measured at micro-batch " << in.probe.micro_batch[0];
-    if (in.probe.micro_batch[1] != in.probe.micro_batch[0]) m << " and " << in.probe.micro_batch[1];
-    m << ", extrapolated linearly to " << in.micro_batch << "; model states from element counts";
+    if (!in.probe.closed_form.empty()) {
+      m << "activations in closed form at micro-batch " << in.micro_batch << ", peak at " << in.probe.closed_form
+        << " (docs/ESTIMATE.md); model states from element counts";
+    } else {
+      m << "activations measured at micro-batch " << in.probe.micro_batch[0];
+      if (in.probe.micro_batch[1] != in.probe.micro_batch[0]) m << " and " << in.probe.micro_batch[1];
+      m << ", extrapolated linearly to " << in.micro_batch << "; model states from element counts";
+    }
     e.method = m.str();
   } else {
     e.method = "model states only (activations not measured: memory.track = false or no counting allocator)";

@@ -382,8 +382,41 @@ void Trainer::check_probe_fits(int64_t micro_batch) const {
                  "(memory.recompute = all)");
 }
 
+bool Trainer::closed_form_applies() const {
+  const auto& method = config_.memory.estimate_method;
+  const bool can = model_->transformer_shape().has_value() && frozen_.empty();
+  MEMTRAIN_CHECK(can || method != "closed_form", ConfigError, "[config] memory.estimate_method = closed_form: ",
+                 model_->transformer_shape() ? "[lora] and train.freeze are not in the closed form yet"
+                                             : "this model has none (gpt and llama do)",
+                 "; use auto or probe");
+  return can && method != "probe";
+}
+
+ActivationProbe Trainer::closed_form_probe(bool keep_grads, int64_t micro_batch) const {
+  ActivationSettings s;
+  s.micro_batch = micro_batch;
+  s.half_params = param_dtype_ != torch::kFloat;
+  s.autocast = precision_ != Precision::kFp32 && !s.half_params;
+  s.policy = policy_;
+  s.head_rows = head_rows_;
+  s.keep_grads = keep_grads;
+  s.cuda = device_.is_cuda();
+  const auto a = transformer_activations(*model_->transformer_shape(), s);
+  ActivationProbe p;
+  p.micro_batch[0] = p.micro_batch[1] = micro_batch;
+  p.bytes[0] = p.bytes[1] = a.peak;
+  p.grads_included = keep_grads;
+  p.closed_form = a.at;
+  return p;
+}
+
 void Trainer::make_estimate() {
-  if (config_.memory.estimate && can_measure() && !policy_.budget_unresolved()) {
+  if (config_.memory.estimate && !policy_.budget_unresolved() && closed_form_applies()) {
+    const bool sharded = this->sharded(world_.world_size);
+    const auto mb = config_.train.micro_batch;
+    (sharded ? probe_drop_ : probe_keep_) = closed_form_probe(/*keep_grads=*/!sharded, mb);
+    if (!sharded && config_.train.accum_steps > 1) probe_drop_ = closed_form_probe(/*keep_grads=*/false, mb);
+  } else if (config_.memory.estimate && can_measure() && !policy_.budget_unresolved()) {
     const bool sharded = this->sharded(world_.world_size);
     check_probe_fits(probe_points(config_.train.micro_batch).second);
     try {
@@ -404,7 +437,9 @@ EstimateInputs Trainer::estimate_inputs_for(int world) {
   auto& probe_for = sharded ? probe_drop_ : probe_keep_;
   MEMTRAIN_CHECK(!dp_ || world == world_.world_size, Error,
                  "[memory] estimate_inputs_for(", world, "): a multi-process trainer estimates its own world only");
-  if (!probe_for.measured() && can_measure() && !policy_.budget_unresolved())
+  if (!probe_for.measured() && !policy_.budget_unresolved() && closed_form_applies())
+    probe_for = closed_form_probe(/*keep_grads=*/!sharded, config_.train.micro_batch);
+  else if (!probe_for.measured() && can_measure() && !policy_.budget_unresolved())
     probe_for = probe(/*keep_grads=*/!sharded);
   return estimate_inputs(world);
 }

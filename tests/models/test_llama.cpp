@@ -16,10 +16,11 @@ namespace memtrain {
 namespace {
 
 TEST(Llama, PresetsHaveThePublishedParameterCounts) {
-  // The model cards' counts (meta-llama/Llama-3.2-1B: 1.24B, -3.2-3B: 3.21B, -3.1-8B: 8.03B; Qwen/Qwen2.5-0.5B:
+  // The model cards' counts (meta-llama/Llama-3.2-1B: 1.24B, -3.2-3B: 3.21B, -3.1-8B: 8.03B, -3.1-70B: 70.6B; Qwen/Qwen2.5-0.5B:
   // 0.49B, -7B: 7.61B; mistralai/Mistral-7B-v0.1: 7.24B), to the parameter, as transformers counts them.
   const std::map<std::string, int64_t> published = {
       {"llama-3.2-1b", 1235814400}, {"llama-3.2-3b", 3212749824}, {"llama-3.1-8b", 8030261248},
+      {"llama-3.1-70b", 70553706496},
       {"qwen2.5-0.5b", 494032768},  {"qwen2.5-7b", 7615616512},   {"mistral-7b", 7241732096}};
   for (auto name : choices::llama_preset) {
     if (name == "custom") continue;

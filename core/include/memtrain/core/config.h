@@ -22,13 +22,14 @@ inline constexpr std::array<std::string_view, 4> model_name{"gpt", "llama", "res
 // model.preset: GPT's (tiny .. gpt2-xl) and the Llama family's published shapes (model.name = llama).
 inline constexpr std::array<std::string_view, 6> gpt_preset{"custom", "tiny", "gpt2", "gpt2-medium", "gpt2-large",
                                                             "gpt2-xl"};
-inline constexpr std::array<std::string_view, 7> llama_preset{"custom",       "llama-3.2-1b", "llama-3.2-3b",
-                                                              "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b",
-                                                              "mistral-7b"};
-inline constexpr std::array<std::string_view, 12> model_preset{
+inline constexpr std::array<std::string_view, 8> llama_preset{"custom",        "llama-3.2-1b", "llama-3.2-3b",
+                                                              "llama-3.1-8b",  "llama-3.1-70b", "qwen2.5-0.5b",
+                                                              "qwen2.5-7b",    "mistral-7b"};
+inline constexpr std::array<std::string_view, 13> model_preset{
     "custom", "tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama-3.2-1b", "llama-3.2-3b",
-    "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b", "mistral-7b"};
+    "llama-3.1-8b", "llama-3.1-70b", "qwen2.5-0.5b", "qwen2.5-7b", "mistral-7b"};
 inline constexpr std::array<std::string_view, 3> attn_bias{"none", "qkv", "all"};
+inline constexpr std::array<std::string_view, 3> estimate_method{"auto", "closed_form", "probe"};
 inline constexpr std::array<std::string_view, 2> resnet_stem{"small", "imagenet"};
 inline constexpr std::array<std::string_view, 3> dataset{"text", "fashion_mnist", "synthetic"};
 inline constexpr std::array<std::string_view, 3> device{"cpu", "cuda", "auto"};
@@ -143,7 +144,8 @@ struct MemoryConfig {
   bool offload = false;             // keep recomputed blocks' inputs in (pinned) CPU memory
   std::string head = "plain";       // plain | fused | fused:ROWS (linear + cross-entropy in chunks)
   int64_t limit_mib = 0;            // this process's memory limit (CPU: counting allocator; CUDA: allocator fraction); 0 = none
-  bool estimate = true;             // estimate the peak before step 1 (a probe forward + backward), compare with the measured
+  bool estimate = true;             // estimate the peak before step 1, compare with the measured
+  std::string estimate_method = "auto";  // auto (closed form where the model has one, else the probe) | closed_form | probe
   std::string budget_mib = "0";     // the planner: MiB per rank | auto (free device memory, less a margin) | 0 (off)
   double budget_headroom = 0.05;    // the planner: share of the budget a chosen plan's estimate leaves free (its error)
   bool allow_lowbit_optimizer = false;  // the planner may store AdamW's moments in 8, then 4 bits when nothing else fits

@@ -32,6 +32,8 @@ struct GPTOptions {
   // rest's (token and position embeddings, final LayerNorm; the head is the tied token embedding).
   int64_t block_parameter_count() const;
   int64_t root_parameter_count() const;
+  // The shape the closed-form activation estimate reads (core/activation_model.h).
+  TransformerShape shape() const;
 };
 
 class CausalSelfAttentionImpl : public torch::nn::Module {
@@ -89,6 +91,7 @@ class GPT : public Model {
   double train_flops_per_sample() const override;
   int64_t tokens_per_sample() const override { return options_.block_size; }
   double block_activation_bytes(int64_t micro_batch, int64_t bytes_per_element) const override;
+  std::optional<TransformerShape> transformer_shape() const override { return options_.shape(); }
   std::string describe() const override;
   const GPTOptions& options() const { return options_; }
 

@@ -50,7 +50,9 @@ struct LlamaOptions {
   int64_t parameter_count() const;
   int64_t block_parameter_count() const;
   int64_t root_parameter_count() const;
-  // llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, qwen2.5-0.5b, qwen2.5-7b, mistral-7b (v0.1): the published
+  // The shape the closed-form activation estimate reads (core/activation_model.h).
+  TransformerShape shape() const;
+  // llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, llama-3.1-70b, qwen2.5-0.5b, qwen2.5-7b, mistral-7b (v0.1): the published
   // shapes; block_size stays whatever the caller sets (the training context, not the model's longest).
   static LlamaOptions preset(const std::string& name);
   // The names preset() knows, for messages.
@@ -135,6 +137,7 @@ class Llama : public Model {
   double train_flops_per_sample() const override;
   int64_t tokens_per_sample() const override { return options_.block_size; }
   double block_activation_bytes(int64_t micro_batch, int64_t bytes_per_element) const override;
+  std::optional<TransformerShape> transformer_shape() const override { return options_.shape(); }
   std::string describe() const override;
   const LlamaOptions& options() const { return options_; }
 

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "memtrain/core/activation_model.h"
 #include "memtrain/core/data_info.h"
 
 namespace memtrain {
@@ -53,6 +54,9 @@ class Model : public torch::nn::Module {
   virtual double block_activation_bytes(int64_t micro_batch, int64_t bytes_per_element) const { return 0; }
   // Tokens per sample (context length for language models, 1 otherwise), for tokens/s.
   virtual int64_t tokens_per_sample() const { return 1; }
+  // memtrain's transformers: the shape their activations are estimated from in closed form, without running
+  // them (core/activation_model.h); nullopt for models that are probed instead.
+  virtual std::optional<TransformerShape> transformer_shape() const { return std::nullopt; }
   virtual std::string describe() const = 0;
 
   torch::Tensor forward(const torch::Tensor& input);

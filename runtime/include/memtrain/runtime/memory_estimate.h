@@ -27,6 +27,7 @@ struct ActivationProbe {
   int64_t bytes[2] = {0, 0};
   double ms[2] = {0, 0};        // the probe's forward + backward time at each point (the planner's time model)
   bool grads_included = false;  // single process: the gradients born in backward are in `bytes`
+  std::string closed_form;      // not measured but computed (core/activation_model.h): the peak's moment
   bool measured() const { return micro_batch[0] > 0; }
   int64_t at(int64_t m) const;
   double ms_at(int64_t m) const;  // the same line through the times

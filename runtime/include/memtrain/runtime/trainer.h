@@ -227,6 +227,10 @@ class Trainer {
   // `optimizer`: the train.optimizer whose state to count; "" = the configured one.
   EstimateInputs estimate_inputs(int world, const std::string& optimizer = "") const;
   void make_estimate();                    // setup(): estimate_ for this run
+  // The activations in closed form (core/activation_model.h) where this run's model has a transformer shape and
+  // memory.estimate_method allows it (nothing frozen: LoRA and train.freeze are probed); nullopt otherwise.
+  bool closed_form_applies() const;
+  ActivationProbe closed_form_probe(bool keep_grads, int64_t micro_batch) const;
   // Before the probe at micro_batch: says what it measures, and stops with an error naming the free memory
   // when the model's published formula puts its activations above it.
   void check_probe_fits(int64_t micro_batch) const;

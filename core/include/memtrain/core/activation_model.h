@@ -1,0 +1,73 @@
+// Activation memory of one forward + backward of memtrain's GPT or Llama, by closed form: no model built,
+// nothing allocated, any shape and micro-batch (an 8B or 70B model is answered in microseconds). Per block it
+// counts what autograd keeps for backward in memtrain's own forward code (docs/ESTIMATE.md derives each term:
+// LayerNorm/RMSNorm inputs and statistics, the linears' inputs, SDPA's q, k, v, output and logsumexp, the
+// MLP's activations, autocast's cast copies of activations and cached weight copies), then takes the peak
+// over the moments where memory is highest: the backward's start (logits and log-softmax), the fused head's
+// chunks, and each block's (re)computed backward with the gradients born by then.
+//
+//   TransformerShape g{.family = TransformerShape::Family::kGpt, .layers = 12, .hidden = 768, .heads = 12,
+//                      .kv_heads = 12, .ffn = 3072, .vocab = 50257, .context = 1024, .positions = 1024};
+//   ActivationSettings s{.micro_batch = 8, .autocast = true, .policy = RecomputePolicy::parse("all")};
+//   ActivationEstimate a = transformer_activations(g, s);   // a.peak bytes, a.at names the moment, a.terms its parts
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "memtrain/core/recompute_policy.h"
+
+namespace memtrain {
+
+struct TransformerShape {
+  enum class Family { kGpt, kLlama };
+  Family family = Family::kGpt;
+  int64_t layers = 0, hidden = 0, heads = 0, kv_heads = 0, ffn = 0, vocab = 0;
+  int64_t context = 0;         // tokens per sample (model.block_size)
+  int64_t positions = 0;       // GPT: rows of the position embedding; Llama: 0
+  bool bias = false;           // GPT's linear biases (their autocast copies are freed at once: no bytes kept)
+  bool tied = true;            // the head is the token embedding (GPT always)
+  double dropout = 0;          // GPT's dropout
+  int64_t block_parameters = 0;  // elements of one block and of the rest (embeddings, final norm, head)
+  int64_t root_parameters = 0;
+  int64_t largest_parameter = 0;  // elements of the largest single tensor
+  int64_t head_dim() const { return hidden / heads; }
+};
+
+struct ActivationSettings {
+  int64_t micro_batch = 1;
+  bool autocast = false;       // train.precision = bf16 | fp16: linears and attention in 16 bits, parameters fp32
+  bool half_params = false;    // train.param_dtype = bf16: everything in 16 bits, fp32 masters
+  RecomputePolicy policy;      // memory.recompute (a budget resolved to its blocks)
+  int64_t head_rows = -1;      // memory.head: -1 plain, 0 fused with automatic chunks, > 0 fused with these rows
+  bool keep_grads = true;      // one process: each gradient stays from its birth in backward (several ranks
+                               // reduce them into buckets, counted apart)
+  bool cuda = false;           // CUDA's attention and dropout kernels, and the fused head's GPU chunks
+};
+
+struct ActivationTerm {
+  std::string name;
+  int64_t bytes = 0;
+};
+
+struct ActivationEstimate {
+  int64_t peak = 0;                  // bytes over what is resident before the step (model states, data)
+  std::string at;                    // the moment of the peak
+  std::vector<ActivationTerm> terms; // what is alive then, summing to peak
+  int64_t block_saved = 0;           // one block's saved bytes without recompute (the Korthikanti quantity)
+  int64_t saved_tensors = 0;         // tensors alive at the peak (CUDA's allocator rounds each)
+};
+
+ActivationEstimate transformer_activations(const TransformerShape& shape, const ActivationSettings& settings);
+
+// The fused head's rows per chunk when memory.head = fused leaves them automatic (fused_linear_cross_entropy):
+// about 2^24 logits on a CPU, 2^27 in multiples of 64 rows on a GPU.
+int64_t fused_head_chunk_rows(int64_t vocab, bool cuda);
+
+// Korthikanti et al. 2022, section 4.1: a transformer layer's stored activations with 16-bit tensors,
+// s b h (34 + 5 a s / h) bytes without recompute (10 s b h of them dropout's, masks and outputs), and
+// s b h 34 with selective recompute (the attention's s x s tensors recomputed).
+double korthikanti_layer_bytes(int64_t s, int64_t b, int64_t h, int64_t a, bool selective);
+
+}  // namespace memtrain

@@ -1,0 +1,203 @@
+#include "memtrain/core/activation_model.h"
+
+#include <algorithm>
+#include <numeric>
+
+namespace memtrain {
+
+int64_t fused_head_chunk_rows(int64_t vocab, bool cuda) {
+  if (vocab <= 0) return 1;
+  const int64_t rows = (cuda ? int64_t{1} << 27 : int64_t{1} << 24) / vocab;
+  return cuda ? std::max<int64_t>(64, rows / 64 * 64) : std::max<int64_t>(1, rows);
+}
+
+double korthikanti_layer_bytes(int64_t s, int64_t b, int64_t h, int64_t a, bool selective) {
+  const double sbh = static_cast<double>(s) * static_cast<double>(b) * static_cast<double>(h);
+  return sbh * (34 + (selective ? 0 : 5 * static_cast<double>(a) * static_cast<double>(s) / static_cast<double>(h)));
+}
+
+namespace {
+
+// Bytes per token that one block part keeps for its backward, and the weight copies autocast caches for it
+// (independent of the batch), split as the recompute policies split a block.
+struct Part {
+  int64_t per_token = 0;
+  int64_t weights = 0;   // autocast's cached 16-bit copies of the part's weights, kept until its backward
+  int64_t tensors = 0;   // how many tensors (for CUDA's per-allocation rounding)
+};
+
+struct BlockModel {
+  Part attn, mlp;
+  int64_t input = 0;       // a checkpointed part keeps only its input (the residual stream), per token
+  int64_t grad_mlp = 0;    // the backward's working set at the MLP's output projection, per token
+  int64_t grad_attn = 0;   // ... at the attention's
+};
+
+BlockModel block_model(const TransformerShape& m, const ActivationSettings& s) {
+  const int64_t h = m.hidden, a = m.heads, k = m.kv_heads * m.head_dim(), F = m.ffn, ctx = m.context;
+  const int64_t r = s.half_params ? 2 : 4;                      // the residual stream's bytes
+  const int64_t e = s.half_params || s.autocast ? 2 : 4;        // the matmuls' activations
+  const int64_t w = s.autocast && !s.half_params ? 2 : 0;       // autocast's weight copies
+  const int64_t cast = e == 2 && r == 4 ? 2 * h : 0;            // a 16-bit copy of the residual branch's gradient
+  // SDPA: the flash / memory-efficient kernels keep q, k, v, the output and a fp32 logsumexp per head. With
+  // dropout on a CPU, PyTorch takes the math path instead: softmax, its noise and the dropped scores (s per head
+  // each), and no logsumexp.
+  const bool math_attention = m.dropout > 0 && !s.cuda;
+  const int64_t scores = math_attention ? 3 * a * ctx * e : 4 * a;
+  // Dropout (p > 0): the kept noise on a CPU (a tensor of the input's dtype), a 1-byte mask on CUDA.
+  const int64_t drop = m.dropout > 0 ? (s.cuda ? h : e * h) : 0;
+  BlockModel b;
+  b.input = r * h;
+  if (m.family == TransformerShape::Family::kGpt) {
+    const int64_t stats = s.half_params ? 4 : 8;                // LayerNorm's mean and rstd
+    // attn: x (LayerNorm's input), its stats, its output (c_attn's input, or autocast's cast of it), q k v,
+    // the attention output (c_proj's input), the logsumexp; mlp: h1, stats, c_fc's input, c_fc's output (GELU's
+    // input), GELU's output (c_proj's input).
+    b.attn = {r * h + stats + e * h + 3 * e * h + e * h + scores + drop, w * 4 * h * h, 7};
+    b.mlp = {r * h + stats + e * h + 2 * e * F + drop, w * 8 * h * h, 6};
+    b.grad_mlp = e * F + cast;
+    b.grad_attn = 3 * e * h + cast;
+  } else {
+    // RMSNorm in fp32: its fp32 input (the residual itself when it is fp32, else an upcast copy), rsqrt, the
+    // normalised value (saved by the weight's product, in the parameters' dtype); then the projections' input
+    // (autocast casts it once per projection).
+    const int64_t norm = 4 * h + 4 + r * h;
+    const int64_t attn_in = w > 0 ? 3 * 2 * h : e * h, mlp_in = w > 0 ? 2 * 2 * h : e * h;
+    // q and k after rotary, v (SDPA's), the attention output (o_proj's input), the logsumexp; gate (SiLU's
+    // input), SiLU's output, up, their product (down's input).
+    b.attn = {norm + attn_in + e * h + 2 * e * k + e * h + scores, w * (2 * h * h + 2 * h * k), w > 0 ? 10 : 8};
+    b.mlp = {norm + mlp_in + 4 * e * F, w * 3 * h * F, w > 0 ? 9 : 8};
+    b.grad_mlp = 2 * e * F + cast;
+    b.grad_attn = e * h + 2 * e * k + cast;
+  }
+  return b;
+}
+
+}  // namespace
+
+ActivationEstimate transformer_activations(const TransformerShape& m, const ActivationSettings& s) {
+  ActivationEstimate out;
+  const int64_t t = s.micro_batch * m.context, h = m.hidden, V = m.vocab, L = m.layers;
+  const int64_t r = s.half_params ? 2 : 4, e = s.half_params || s.autocast ? 2 : 4;
+  const int64_t pb = s.half_params ? 2 : 4;                 // a gradient's bytes (the parameters' dtype)
+  const int64_t w = s.autocast && !s.half_params ? 2 : 0;
+  const auto b = block_model(m, s);
+  out.block_saved = (b.attn.per_token + b.mlp.per_token) * t;
+
+  // Before the first block: the batch (input and target, int64), GPT's positions, Llama's rotary tables (fp32
+  // cos and sin, and their 16-bit copies).
+  int64_t base = 16 * t;
+  if (m.family == TransformerShape::Family::kGpt) {
+    base += 8 * m.context;
+    if (m.dropout > 0) base += (s.cuda ? 1 : r) * h * t;     // the embedding's dropout
+  } else {
+    base += 2 * m.context * m.head_dim() * (4 + (e == 2 ? 2 : 0));
+  }
+
+  // What each block keeps through the forward, by policy.
+  const bool part = s.policy.mode == RecomputePolicy::Mode::kPart;
+  const bool attn_ck = part && s.policy.part == "attn", mlp_ck = part && s.policy.part == "mlp";
+  const int64_t offloaded_input = s.policy.offload && s.cuda ? 0 : b.input * t;  // memory.offload: in host memory
+  std::vector<int64_t> kept(static_cast<size_t>(L)), kept_tensors(static_cast<size_t>(L));
+  for (int64_t i = 0; i < L; ++i) {
+    const bool whole = !part && s.policy.checkpoints_block(i);
+    int64_t bytes = 0, tensors = 0;
+    if (whole) {
+      bytes = offloaded_input, tensors = 1;
+    } else {
+      bytes += attn_ck ? offloaded_input : b.attn.per_token * t + b.attn.weights;
+      bytes += mlp_ck ? offloaded_input : b.mlp.per_token * t + b.mlp.weights;
+      tensors = (attn_ck ? 1 : b.attn.tensors) + (mlp_ck ? 1 : b.mlp.tensors);
+    }
+    kept[static_cast<size_t>(i)] = bytes, kept_tensors[static_cast<size_t>(i)] = tensors;
+  }
+  const int64_t all_kept = std::accumulate(kept.begin(), kept.end(), int64_t{0});
+  const int64_t all_tensors = std::accumulate(kept_tensors.begin(), kept_tensors.end(), int64_t{0});
+
+  // The head's features: the final norm's saved tensors and the head's input.
+  int64_t features = 0;
+  if (m.family == TransformerShape::Family::kGpt) features = r * h + (s.half_params ? 4 : 8) + e * h;
+  else features = 4 * h + 4 + r * h + e * h;
+  features *= t;
+  // ... without the head's input, which the fused head does not keep.
+  const int64_t features_fused = features - e * h * t + (s.half_params ? 2 : 4) * h * t;  // the norm's fp32/bf16 output, alive in its forward
+  const int64_t features_saved = features - e * h * t;
+  const int64_t x_bytes = s.half_params ? 2 : 4;  // the fused head's input dtype (the final norm's output)
+
+  int64_t best = -1;
+  auto candidate = [&](const std::string& at, std::vector<ActivationTerm> terms, int64_t tensors) {
+    int64_t sum = 0;
+    for (const auto& term : terms) sum += term.bytes;
+    if (sum <= best) return;
+    best = sum;
+    out.peak = sum, out.at = at, out.saved_tensors = tensors;
+    terms.erase(std::remove_if(terms.begin(), terms.end(), [](const ActivationTerm& x) { return x.bytes == 0; }), terms.end());
+    out.terms = std::move(terms);
+  };
+  const ActivationTerm batch{"batch and positions", base};
+  const ActivationTerm blocks{"blocks' saved tensors", all_kept};
+
+  if (s.head_rows < 0) {
+    // The backward's start: log-softmax's fp32 result, the loss gradient's dense fp32 (tokens x vocab) and the
+    // log-softmax backward's output; autocast's copy of the head weight.
+    candidate("the backward's start (the loss over the logits)",
+              {batch, blocks, {"head input and final norm", features}, {"logits: log-softmax, its gradients (fp32)", 12 * V * t},
+               {"autocast's head weight copy", w * V * h}},
+              all_tensors + 6);
+  } else {
+    const int64_t n = std::min(t, s.head_rows > 0 ? s.head_rows : fused_head_chunk_rows(V, s.cuda));
+    const int64_t chunk = 8 * n * V + (e == 2 ? 2 * n * V : 0);
+    candidate("the fused head's forward (one chunk of logits)",
+              {batch, blocks, {"final norm and its output", features_fused},
+               {"fused head: gradient accumulators (fp32)", 4 * h * t + 4 * V * h},
+               {"fused head: weight in the compute dtype", w * V * h}, {"fused head: a chunk's logits (fp32)", chunk}},
+              all_tensors + 8);
+    candidate("the fused head's backward",
+              {batch, blocks, {"final norm", features_saved},
+               {"fused head: saved gradients and their products", 2 * (x_bytes * h * t + pb * V * h)}},
+              all_tensors + 6);
+  }
+
+  // Each block's backward, from the last: the blocks below keep their saved tensors, this one's are whole
+  // (recomputed when checkpointed), the gradients born so far (one process) are there, and the residual's
+  // gradient, the recomputed output and the backward's working set.
+  const int64_t head_grads = s.keep_grads ? pb * (m.root_parameters - (m.family == TransformerShape::Family::kGpt
+                                                                          ? m.positions * h : (m.tied ? 0 : V * h)))
+                                          : 0;  // the embeddings' gradients are born last
+  int64_t below = all_kept, below_tensors = all_tensors;
+  for (int64_t i = L - 1; i >= 0; --i) {
+    below -= kept[static_cast<size_t>(i)], below_tensors -= kept_tensors[static_cast<size_t>(i)];
+    const bool whole = !part && s.policy.checkpoints_block(i);
+    const int64_t grads = s.keep_grads ? head_grads + pb * (L - i) * m.block_parameters : 0;
+    const int64_t attn_held = attn_ck ? b.input * t : b.attn.per_token * t + b.attn.weights;
+    const std::string name = "block " + std::to_string(i) + "'s backward" + (whole || part ? " (recomputed)" : "");
+    candidate(name + ", at its MLP",
+              {batch, {"blocks below: saved tensors", below},
+               {"this block: saved tensors", attn_held + b.mlp.per_token * t + b.mlp.weights},
+               {"gradients born so far", grads},
+               {"residual gradient, recomputed output, MLP backward", 2 * r * h * t + b.grad_mlp * t}},
+              below_tensors + b.attn.tensors + b.mlp.tensors + 4);
+    candidate(name + ", at its attention",
+              {batch, {"blocks below: saved tensors", below},
+               {"this block: attention's saved tensors", b.attn.per_token * t + b.attn.weights},
+               {"gradients born so far", grads},
+               {"residual gradient, recomputed output, attention backward", 2 * r * h * t + b.grad_attn * t}},
+              below_tensors + b.attn.tensors + 4);
+  }
+
+  if (s.keep_grads) {
+    // The backward's end: every gradient, the embedding's dense gradient (added into the tied head's), the
+    // embedding output's gradient. With bf16 parameters, the gradients then move to fp32 masters one tensor
+    // at a time.
+    const int64_t P = L * m.block_parameters + m.root_parameters;
+    candidate("the backward's end (every gradient born)",
+              {batch, {"gradients", pb * P}, {"embedding's dense gradient", pb * V * h}, {"embedding output's gradient", r * h * t}},
+              2 * 12 * L);
+    if (s.half_params)
+      candidate("the gradients' move to the fp32 masters", {batch, {"fp32 master gradients", 4 * P + 2 * m.largest_parameter}},
+                12 * L);
+  }
+  return out;
+}
+
+}  // namespace memtrain
