@@ -146,7 +146,8 @@ ActivationEstimate transformer_activations(const TransformerShape& m, const Acti
               all_tensors + 6);
   } else {
     const int64_t n = std::min(t, s.head_rows > 0 ? s.head_rows : fused_head_chunk_rows(V, s.cuda));
-    const int64_t chunk = 8 * n * V + (e == 2 ? 2 * n * V : 0);
+    // logits in fp32 and logsumexp's temporary of the same size (a 16-bit matmul output is freed at the cast, before)
+    const int64_t chunk = 8 * n * V;
     candidate("the fused head's forward (one chunk of logits)",
               {batch, blocks, {"final norm and its output", features_fused},
                {"fused head: gradient accumulators (fp32)", 4 * h * t + 4 * V * h},

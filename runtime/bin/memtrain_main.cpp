@@ -37,6 +37,7 @@
 #include "memtrain/runtime/export.h"
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/generate.h"
+#include "memtrain/runtime/target_estimate.h"
 #include "memtrain/runtime/trainer.h"
 
 namespace {
@@ -50,7 +51,10 @@ constexpr const char* kUsage =
     "component before anything trains (a probe forward + backward at two small micro-batches), and by ZeRO stage.\n"
     "memtrain estimate --target h100-80gb|h200-141gb|a100-40gb|a100-80gb|cpu:64GiB|BYTES [--nproc-per-node N]\n"
     "[--nnodes M] --config X answers for a machine that need not be this one, without building the model (gpt,\n"
-    "llama): each rank's model states by ZeRO stage against the target's memory (activations not counted yet).\n"
+    "llama; --model.preset=llama-3.1-8b): each rank's model states, activations in closed form and a GPU's own\n"
+    "terms (context, cuBLAS, NCCL, allocator rounding), by ZeRO stage, against the target's memory.\n"
+    "Plan: memtrain plan --target T [--nproc-per-node N] [--nnodes M] [--out plan.ini] --config X lists, best first,\n"
+    "the settings that fit (micro-batch x accumulation, recompute, head, stage, offload) and writes the best as an INI.\n"
     "Evaluate: memtrain eval --config X [--model.init_from=DIR | --weights FILE.safetensors] prints 'val loss L' over\n"
     "the validation windows (train.eval_batches of train.micro_batch) and writes it to <log.dir>/<log.name>-eval/summary.json.\n"
     "Export: memtrain export --checkpoint PATH --out DIR [--dtype float32|bfloat16|float16] [--max-shard-mb N] writes a\n"
@@ -129,43 +133,89 @@ int estimate(const memtrain::Config& config, int ranks) {
   return 0;
 }
 
-// `memtrain estimate --target T`: model states per rank for a machine that need not be this one, from the
-// config's shapes alone (nothing built, no data read), for every ZeRO stage.
+// `memtrain estimate --target T`: each rank's memory for a machine that need not be this one, from the config's
+// shapes alone (nothing built, no data read, no CUDA): every term of the configured setting, then each ZeRO stage.
 int estimate_target(const memtrain::Config& config, const std::string& target_spec, int nproc_per_node, int nnodes) {
   const auto begin = std::chrono::steady_clock::now();
   const auto target = memtrain::parse_target(target_spec);
   const int world = nproc_per_node * nnodes;
-  auto in = memtrain::model_state_inputs(config, world);
-  in.cuda = target.cuda;
+  const auto e = memtrain::estimate_for_target(config, target, world);
+  const auto shape = memtrain::config_transformer_shape(config);
+  const int64_t params = shape.layers * shape.block_parameters + shape.root_parameters;
   std::cout << "model: " << config.model.name << (config.model.preset != "custom" ? " " + config.model.preset : std::string())
-            << ", " << std::accumulate(in.block_elements.begin(), in.block_elements.end(), in.root_elements) << " parameters (" << in.block_elements.size() << " blocks), param_dtype "
-            << config.train.param_dtype << ", optimizer " << config.train.optimizer << "\n"
+            << ", " << params << " parameters (" << shape.layers << " blocks), context " << shape.context
+            << ", param_dtype " << config.train.param_dtype << ", precision " << config.train.precision << ", optimizer "
+            << config.train.optimizer << "\n"
             << "target: " << target.name << ", " << memtrain::format_bytes(target.bytes) << " per "
-            << (target.cuda ? "GPU" : "host") << ", " << world << (world == 1 ? " rank" : " ranks") << " ("
-            << nnodes << " x " << nproc_per_node << ")\n"
-            << "model states per rank (parameters, gradients, optimizer state with fp32 masters; activations, "
-               "workspaces and the CUDA context are not counted here):\n";
-  const int64_t params = std::accumulate(in.block_elements.begin(), in.block_elements.end(), in.root_elements);
+            << (target.cuda ? "GPU" : "host") << ", " << world << (world == 1 ? " rank" : " ranks") << " (" << nnodes
+            << " x " << nproc_per_node << ")\n"
+            << "per rank, micro-batch " << config.train.micro_batch << " x " << config.train.accum_steps << ", recompute "
+            << config.memory.recompute << ", head " << config.memory.head << ", ZeRO stage " << config.dist.zero_stage
+            << (config.dist.offload_optimizer == "cpu" ? " + offload" : "") << " (the data is not counted: none is read):\n"
+            << e.table();
+  std::cout << "by ZeRO stage:\n";
   for (int stage = 0; stage <= 3; ++stage) {
     for (bool offload : {false, true}) {
       if ((offload && stage == 0) || (world == 1 && stage > 1) || (world == 1 && stage == 1 && !offload)) continue;
-      auto v = in;
-      v.stage = stage, v.offload = offload;
-      const auto e = memtrain::estimate_memory(v);
-      int64_t device = e.device.params + e.device.grads + e.device.optimizer_state + e.device.gathered + e.device.buckets_in_flight;
-      // One process without offload: the gradients are born in backward (the probe's, when there is one); counted
-      // here whole, with the fp32 masters' when parameters are bf16.
-      if (world == 1 && !offload) device += params * in.param_bytes + (in.master_weights ? 4 * params : 0);
+      auto v = config;
+      v.dist.zero_stage = stage, v.dist.offload_optimizer = offload ? "cpu" : "none";
+      const auto s = memtrain::estimate_for_target(v, target, world);
       std::ostringstream share;
-      share << std::fixed << std::setprecision(1) << 100.0 * static_cast<double>(device) / static_cast<double>(target.bytes);
+      share << std::fixed << std::setprecision(1) << 100.0 * static_cast<double>(s.device_peak()) / static_cast<double>(target.bytes);
       std::cout << "  stage " << stage << (offload ? " + offload" : "          ") << "  device "
-                << memtrain::format_bytes(device) << " (" << share.str() << "% of " << target.name << ")"
-                << (offload ? ", host " + memtrain::format_bytes(e.host.optimizer_state) : std::string())
-                << (device > target.bytes ? "  does not fit" : "") << "\n";
+                << memtrain::format_bytes(s.device_peak()) << " (" << share.str() << "% of " << target.name << ")"
+                << (offload ? ", host " + memtrain::format_bytes(s.states.host.peak()) : std::string())
+                << (s.fits() ? "" : "  does not fit") << "\n";
     }
   }
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count();
   std::cout << "answered in " << ms << " ms, nothing allocated for the model\n";
+  return 0;
+}
+
+// `memtrain plan --target T`: the settings that fit the target, best first, and the best written as an INI.
+int plan_target(const memtrain::Config& config, const std::string& target_spec, int nproc_per_node, int nnodes,
+                const std::string& out) {
+  const auto begin = std::chrono::steady_clock::now();
+  const auto target = memtrain::parse_target(target_spec);
+  const int world = nproc_per_node * nnodes;
+  const auto plan = memtrain::plan_for_target(config, target, world);
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count();
+  const int64_t global = config.train.micro_batch * config.train.accum_steps;
+  std::cout << "plan for " << world << " x " << target.name << " (" << memtrain::format_bytes(target.bytes) << " each), "
+            << global << " samples per rank per step (" << global * world << " in all), leaving memory.budget_headroom = "
+            << config.memory.budget_headroom << " free: " << plan.fitting.size() << " of " << plan.considered
+            << " settings fit (" << ms << " ms)\n";
+  MEMTRAIN_CHECK(!plan.fitting.empty(), memtrain::ConfigError, "[plan] nothing fits ", world, " x ", target.name,
+                 ": lower the batch or the context, add ranks, or allow low-bit state (memory.allow_lowbit_optimizer); "
+                 "memtrain estimate --target shows each term");
+  const auto& best = plan.fitting.front();
+  std::cout << "  #  setting                                                     device peak   host      compute  communication\n";
+  const size_t shown = std::min<size_t>(plan.fitting.size(), 12);
+  for (size_t i = 0; i < shown; ++i) {
+    const auto& c = plan.fitting[i];
+    // Extra compute: the recomputed share of the forward (a third of forward + backward); communication: stage 3
+    // gathers the parameters twice besides the reduce-scatter (1.5x the bytes of stages 0-2), offload adds the
+    // host link's copies (not priced: shown as +host).
+    const double compute = (1 + memtrain::recompute_fraction(c.recompute) / 3) /
+                           (1 + memtrain::recompute_fraction(best.recompute) / 3);
+    const double comm = world == 1 ? 1.0 : (c.stage == 3 ? 1.5 : 1.0) / (best.stage == 3 ? 1.5 : 1.0);
+    std::ostringstream line;
+    line << std::fixed << std::setprecision(2) << "  " << std::setw(2) << i + 1 << " " << std::left << std::setw(60)
+         << c.describe() << std::right << std::setw(11) << memtrain::format_bytes(c.estimate.peak_device()) << "  "
+         << std::setw(9) << memtrain::format_bytes(c.estimate.host.peak()) << "  x" << compute << "    x" << comm
+         << (c.offload ? " +host" : "") << "\n";
+    std::cout << line.str();
+  }
+  auto chosen = config;
+  chosen.train.micro_batch = best.micro_batch, chosen.train.accum_steps = best.accum_steps;
+  chosen.memory.recompute = best.recompute, chosen.memory.head = best.head;
+  chosen.dist.zero_stage = best.stage, chosen.dist.offload_optimizer = best.offload ? "cpu" : "none";
+  if (!best.optimizer.empty()) chosen.train.optimizer = best.optimizer;
+  memtrain::write_file_atomically(out, "# memtrain plan --target " + target_spec + " --nproc-per-node " +
+                                           std::to_string(nproc_per_node) + " --nnodes " + std::to_string(nnodes) +
+                                           ": " + best.describe() + "\n" + chosen.to_ini());
+  std::cout << "chosen: " << best.describe() << "; written to " << out << " (run it: memtrain --config " << out << ")\n";
   return 0;
 }
 
@@ -242,7 +292,7 @@ int export_checkpoint(const std::map<std::string, std::string>& flags) {
 }
 
 // The subcommands; training itself takes none.
-constexpr const char* kSubcommands[] = {"estimate", "eval", "export"};
+constexpr const char* kSubcommands[] = {"estimate", "plan", "eval", "export"};
 
 // A first word that is neither an option nor a subcommand ("memtrain estimat --config X"): an error naming the
 // subcommands and the closest one, rather than a training run that silently ignores it.
@@ -266,7 +316,8 @@ struct Args {
   bool print_parameters = false;
   bool estimate_only = false;
   int estimate_ranks = 0;
-  std::string target;                          // estimate --target
+  std::string target;                          // estimate --target, plan --target
+  std::string plan_out = "plan.ini";           // plan --out
   int nproc_per_node = 1, nnodes = 1;          // estimate --target's world
   std::string subcommand;                      // "" (train) | estimate | eval | export
   std::map<std::string, std::string> exporting;  // export's flags
@@ -282,7 +333,7 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
       return 2;
     }
   }
-  a.estimate_only = a.subcommand == "estimate";
+  a.estimate_only = a.subcommand == "estimate" || a.subcommand == "plan";
   const bool estimate_only = a.estimate_only;
   for (int i = a.subcommand.empty() ? 1 : 2; i < argc; ++i) {
     std::string arg = argv[i];
@@ -305,7 +356,8 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
         std::cerr << "memtrain: estimate: --ranks '" << v << "' is not a whole number >= 1\n";
         return 2;
       }
-    } else if (estimate_only && (arg == "--target" || arg == "--nproc-per-node" || arg == "--nnodes")) {
+    } else if (estimate_only && (arg == "--target" || arg == "--nproc-per-node" || arg == "--nnodes" ||
+                                 (a.subcommand == "plan" && arg == "--out"))) {
       if (i + 1 >= argc) {
         std::cerr << "memtrain: estimate: " << arg << " needs a value\n";
         return 2;
@@ -313,6 +365,10 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
       const std::string v = argv[++i];
       if (arg == "--target") {
         a.target = v;
+        continue;
+      }
+      if (arg == "--out") {
+        a.plan_out = v;
         continue;
       }
       size_t used = 0;
@@ -396,6 +452,11 @@ int main(int argc, char** argv) {
       return eval(config, args.sampling);
     }
     MEMTRAIN_CHECK(args.sampling.empty(), memtrain::ConfigError, args.sampling.begin()->first, " is for --generate");
+    if (args.subcommand == "plan") {
+      MEMTRAIN_CHECK(!args.target.empty(), memtrain::ConfigError, "plan needs --target (h100-80gb | h200-141gb | a100-40gb | "
+                     "a100-80gb | cpu:<N>GiB | a byte count)");
+      return plan_target(config, args.target, args.nproc_per_node, args.nnodes, args.plan_out);
+    }
     if (args.estimate_only && !args.target.empty()) return estimate_target(config, args.target, args.nproc_per_node, args.nnodes);
     if (args.estimate_only) return estimate(config, args.estimate_ranks);
     trainer = std::make_unique<memtrain::Trainer>(config);

@@ -80,19 +80,32 @@ GPTOptions gpt_options(const ModelConfig& c, int64_t vocab) {
   return o;
 }
 
-EstimateInputs model_state_inputs(const Config& config, int world) {
-  const auto& c = config.model;
-  MEMTRAIN_CHECK(is_language_model(c), ConfigError, "[estimate] --target estimates gpt and llama without building them; "
-                 "model.name = ", c.name, " is estimated by building it and probing (memtrain estimate without --target)");
-  MEMTRAIN_CHECK(config.lora.rank == 0 && config.train.freeze.empty(), ConfigError, "[estimate] --target does not count "
-                 "[lora] or train.freeze yet; estimate them without --target");
+int64_t config_vocab(const Config& config) {
   // The vocabulary without reading the data: the key, the preset's, or byte-level text's 256.
+  const auto& c = config.model;
   int64_t vocab = c.vocab_size;
   if (vocab == 0 && c.preset != "custom" && c.preset != "tiny")
     vocab = c.name == "gpt" ? GPTOptions::preset(c.preset).vocab_size : LlamaOptions::preset(c.preset).vocab_size;
   if (vocab == 0 && config.data.dataset == "text" && config.data.tokens.empty()) vocab = 256;
   MEMTRAIN_CHECK(vocab > 0, ConfigError, "[estimate] --target reads no data: set model.vocab_size (the token set's "
                  "vocabulary) or a preset");
+  return vocab;
+}
+
+TransformerShape config_transformer_shape(const Config& config) {
+  MEMTRAIN_CHECK(is_language_model(config.model), ConfigError, "[estimate] model.name = ", config.model.name,
+                 " has no closed form (gpt and llama do)");
+  const int64_t vocab = config_vocab(config);
+  return config.model.name == "gpt" ? gpt_options(config.model, vocab).shape() : llama_options(config.model, vocab).shape();
+}
+
+EstimateInputs model_state_inputs(const Config& config, int world) {
+  const auto& c = config.model;
+  MEMTRAIN_CHECK(is_language_model(c), ConfigError, "[estimate] --target estimates gpt and llama without building them; "
+                 "model.name = ", c.name, " is estimated by building it and probing (memtrain estimate without --target)");
+  MEMTRAIN_CHECK(config.lora.rank == 0 && config.train.freeze.empty(), ConfigError, "[estimate] --target does not count "
+                 "[lora] or train.freeze yet; estimate them without --target");
+  const int64_t vocab = config_vocab(config);
   // Each tensor's elements, a block's and the rest's (the root unit: embeddings, final norm, an untied head).
   std::vector<int64_t> block, root;
   int64_t layers = 0;

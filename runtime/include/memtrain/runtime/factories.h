@@ -44,6 +44,10 @@ EstimateInputs estimate_settings(const TrainOptions& train, const DistConfig& di
 // elements by arithmetic), for `world` ranks; no activations (its probe is empty). ConfigError for other
 // models and for [lora] / train.freeze (not counted here yet).
 EstimateInputs model_state_inputs(const Config& config, int world);
+// The vocabulary of the config's gpt or llama without reading data (the key, the preset's, or byte text's 256),
+// and the shape its activations are estimated from in closed form (ConfigError for other models).
+int64_t config_vocab(const Config& config);
+TransformerShape config_transformer_shape(const Config& config);
 // [lora] as the adapters' options.
 LoraOptions lora_options(const LoraConfig& lora);
 // What trains, on a built model: with lora.rank > 0 the adapters (and lora.init_from's weights) are added and

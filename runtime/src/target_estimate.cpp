@@ -1,0 +1,169 @@
+#include "memtrain/runtime/target_estimate.h"
+
+#include <algorithm>
+#include <iomanip>
+#include <numeric>
+#include <sstream>
+
+#include "memtrain/core/error.h"
+#include "memtrain/core/memory_tracker.h"
+#include "memtrain/runtime/factories.h"
+
+namespace memtrain {
+
+namespace {
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+// What a GPU holds besides the caching allocator's tensors at the step's peak (docs/ESTIMATE.md, "CUDA terms").
+std::vector<DeviceTerm> device_terms(const Target& t, int world, const ActivationEstimate& a) {
+  if (!t.cuda) return {};
+  std::vector<DeviceTerm> terms;
+  terms.push_back({"CUDA context", 512 * kMiB,
+                   "driver state and the kernels loaded lazily (CUDA_MODULE_LOADING=LAZY); outside the allocator; "
+                   "an assumption until measured on the GPU"});
+  // PyTorch's cuBLAS workspace per (handle, stream), through the caching allocator: CUBLAS_WORKSPACE_CONFIG's
+  // default is :4096:8 (32 MiB) on Hopper and :4096:2:16:8 (8.125 MiB) before it, as cuBLAS recommends.
+  const bool ampere = t.name.rfind("a100", 0) == 0;  // a byte count: an unknown GPU, taken as Hopper's
+  terms.push_back({"cuBLAS workspace", ampere ? 8 * kMiB + 128 * 1024 : 32 * kMiB,
+                   "PyTorch's CUBLAS_WORKSPACE_CONFIG default for the architecture, one stream"});
+  if (world > 1)
+    terms.push_back({"NCCL buffers", 2 * 32 * 4 * kMiB,
+                     "NCCL_BUFFSIZE (4 MiB) for send and receive on up to 32 channels, outside the allocator; an "
+                     "assumption until measured"});
+  // Requests round up to 512 B; blocks over 1 MiB come from segments of 2 MiB multiples (20 MiB for 1-10 MiB
+  // requests, split): on average about half of 2 MiB more is reserved than allocated per live activation tensor.
+  terms.push_back({"allocator rounding", a.saved_tensors * (kMiB + 512),
+                   "each live activation tensor rounded to the allocator's 2 MiB granularity (half on average)"});
+  return terms;
+}
+
+ActivationSettings settings_of(const Config& config, bool cuda, bool keep_grads, int64_t micro_batch) {
+  ActivationSettings s;
+  s.micro_batch = micro_batch;
+  s.half_params = config.train.param_dtype == "bf16";
+  s.autocast = config.train.precision != "fp32" && !s.half_params;
+  s.policy = RecomputePolicy::parse(config.memory.recompute);
+  s.policy.offload = config.memory.offload;
+  s.head_rows = parse_head_rows(config.memory.head);
+  s.keep_grads = keep_grads;
+  s.cuda = cuda;
+  return s;
+}
+
+}  // namespace
+
+int64_t TargetEstimate::device_peak() const {
+  int64_t extra = 0;
+  for (const auto& t : device_terms) extra += t.bytes;
+  return states.peak_device() + extra;
+}
+
+TargetEstimate estimate_for_target(const Config& config, const Target& target, int world) {
+  TargetEstimate out;
+  out.target = target, out.world = world;
+  auto in = model_state_inputs(config, world);
+  in.cuda = target.cuda;
+  const auto shape = config_transformer_shape(config);
+  const bool sharded = world > 1 || config.dist.offload_optimizer == "cpu";
+  const auto mb = config.train.micro_batch;
+  auto probe = [&](bool keep) {
+    const auto a = transformer_activations(shape, settings_of(config, target.cuda, keep, mb));
+    ActivationProbe p;
+    p.micro_batch[0] = p.micro_batch[1] = mb;
+    p.bytes[0] = p.bytes[1] = a.peak;
+    p.grads_included = keep;
+    p.closed_form = a.at;
+    return std::make_pair(p, a);
+  };
+  MEMTRAIN_CHECK(RecomputePolicy::parse(config.memory.recompute).mode != RecomputePolicy::Mode::kBudget, ConfigError,
+                 "[estimate] memory.recompute = ", config.memory.recompute, " is resolved by measuring on the machine "
+                 "itself; estimate for a target with none | all | every:K | attn | mlp");
+  auto [p, a] = probe(!sharded);
+  in.probe = p;
+  if (!sharded && config.train.accum_steps > 1) in.probe_dropped = probe(false).first;
+  out.activations = a;
+  out.states = estimate_memory(in);
+  out.device_terms = device_terms(target, world, a);
+  return out;
+}
+
+std::string TargetEstimate::table() const {
+  std::ostringstream out;
+  out << states.table() << "  activations at the peak: " << activations.at << "\n";
+  for (const auto& t : activations.terms)
+    out << "    " << t.name << std::string(t.name.size() < 56 ? 56 - t.name.size() : 1, ' ') << format_bytes(t.bytes) << "\n";
+  if (!device_terms.empty()) {
+    out << "  outside the tensors (CUDA):\n";
+    for (const auto& t : device_terms)
+      out << "    " << t.name << std::string(t.name.size() < 24 ? 24 - t.name.size() : 1, ' ') << format_bytes(t.bytes)
+          << "  (" << t.source << ")\n";
+  }
+  std::ostringstream share;
+  share << std::fixed << std::setprecision(1) << 100.0 * static_cast<double>(device_peak()) / static_cast<double>(target.bytes);
+  out << "  total per " << (target.cuda ? "GPU" : "host") << "    " << format_bytes(device_peak()) << " (" << share.str()
+      << "% of " << target.name << ", " << format_bytes(target.bytes) << ")" << (fits() ? ": fits" : ": does not fit") << "\n";
+  return out.str();
+}
+
+std::vector<std::string> TargetPlan::overrides(const PlanCandidate& c) const {
+  std::vector<std::string> o = {"--train.micro_batch=" + std::to_string(c.micro_batch),
+                                "--train.accum_steps=" + std::to_string(c.accum_steps), "--memory.recompute=" + c.recompute,
+                                "--memory.head=" + c.head, "--dist.zero_stage=" + std::to_string(c.stage),
+                                std::string("--dist.offload_optimizer=") + (c.offload ? "cpu" : "none")};
+  if (!c.optimizer.empty()) o.push_back("--train.optimizer=" + c.optimizer);
+  return o;
+}
+
+TargetPlan plan_for_target(const Config& config, const Target& target, int world) {
+  TargetPlan plan;
+  const auto& t = config.train;
+  const int64_t global = t.micro_batch * t.accum_steps;  // per rank
+  std::vector<int64_t> micro;
+  for (int64_t mb = global; mb >= 1; mb /= 2)
+    if (global % mb == 0) micro.push_back(mb);
+  const std::vector<std::string> policies = {"none", "every:2", "attn", "all"};
+  const std::vector<std::string> heads = {"plain", "fused"};
+  std::vector<int> stages = {0};
+  if (world > 1) stages = {0, 1, 2, 3};
+  std::vector<bool> offloads = {false};
+  if (target.cuda && t.precision != "fp16") offloads = {false, true};
+  std::vector<std::string> optimizers = {""};
+  if (config.memory.allow_lowbit_optimizer && (t.optimizer == "adamw" || t.optimizer == "adamw_loop"))
+    optimizers = {"", "adamw8bit", "adamw4bit"};
+  const auto usable = static_cast<int64_t>(static_cast<double>(target.bytes) * (1 - config.memory.budget_headroom));
+  std::vector<PlanCandidate> fitting;
+  for (size_t o = 0; o < optimizers.size(); ++o) {
+    for (auto mb : micro)
+      for (const auto& policy : policies)
+        for (const auto& head : heads)
+          for (int stage : stages)
+            for (bool offload : offloads) {
+              if (offload && stage == 0 && world > 1) continue;
+              PlanCandidate c{.micro_batch = mb, .accum_steps = global / mb, .recompute = policy, .head = head,
+                              .stage = offload && world == 1 ? 1 : stage, .offload = offload, .optimizer = optimizers[o],
+                              .lowbit_rank = static_cast<int>(o), .estimate = {}};
+              auto v = config;
+              v.train.micro_batch = c.micro_batch, v.train.accum_steps = c.accum_steps;
+              v.memory.recompute = policy, v.memory.head = head;
+              v.dist.zero_stage = c.stage, v.dist.offload_optimizer = offload ? "cpu" : "none";
+              if (!c.optimizer.empty()) v.train.optimizer = c.optimizer;
+              const auto e = estimate_for_target(v, target, world);
+              ++plan.considered;
+              c.estimate = e.states;
+              // The device terms go in the estimate's peak as the planner reads it.
+              c.estimate.device.activations += e.device_peak() - e.states.peak_device();
+              c.step_ms = plan_step_cost(mb, global / mb, recompute_fraction(policy), c.stage, 0.1, offload);
+              if (c.estimate.peak_device() <= usable) fitting.push_back(c);
+            }
+    if (!fitting.empty()) break;  // fewer bits only where nothing with more fits
+  }
+  std::stable_sort(fitting.begin(), fitting.end(), [](const PlanCandidate& a, const PlanCandidate& b) {
+    if (a.step_ms != b.step_ms) return a.step_ms < b.step_ms;
+    return a.estimate.peak_device() < b.estimate.peak_device();
+  });
+  plan.fitting = std::move(fitting);
+  return plan;
+}
+
+}  // namespace memtrain
