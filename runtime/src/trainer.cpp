@@ -60,6 +60,7 @@ void FloatingBuffers::restore(torch::nn::Module& module) {
 
 Trainer::Trainer(const Config& config, const World& world) : config_(config), world_(world) {
   data_ = make_dataset(config_, {world_.rank, world_.world_size});
+  check_fits_before_building();  // nothing of the model allocated yet
   torch::manual_seed(static_cast<uint64_t>(config_.train.seed));  // weights depend on the seed alone
   model_ = make_model(config_.model, data_->info());
   // ZeRO-3 on several ranks (unless the planner may choose another stage): each rank reads only its own part

@@ -18,6 +18,7 @@
 #include "memtrain/core/error.h"
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/device.h"
+#include "memtrain/runtime/target_estimate.h"
 #include "memtrain/runtime/trainer.h"
 
 namespace memtrain {
@@ -408,6 +409,43 @@ ActivationProbe Trainer::closed_form_probe(bool keep_grads, int64_t micro_batch)
   p.grads_included = keep_grads;
   p.closed_form = a.at;
   return p;
+}
+
+void Trainer::check_fits_before_building() const {
+  const auto& c = config_;
+  if (!c.memory.estimate || c.memory.estimate_method == "probe" || !is_language_model(c.model) || c.lora.rank > 0 ||
+      !c.train.freeze.empty() || !c.model.init_from.empty() || parse_budget_mib(c.memory.budget_mib) != 0 ||
+      RecomputePolicy::parse(c.memory.recompute).mode == RecomputePolicy::Mode::kBudget)
+    return;  // the planner sizes its own settings; init_from's shape is read with the model; LoRA is probed
+  const auto device = resolve_device(c.train.device, world_.local_rank);
+  const bool limited = c.memory.limit_mib > 0;
+  const int64_t limit = limited ? c.memory.limit_mib << 20 : free_device_bytes(device);
+  if (limit <= 0) return;
+  auto estimate = [&](int64_t micro_batch) {
+    auto v = c;
+    v.train.micro_batch = micro_batch;
+    if (v.model.vocab_size == 0 && (v.model.preset == "custom" || v.model.preset == "tiny"))
+      v.model.vocab_size = data_->info().vocab_size;  // as make_model sizes it
+    auto e = estimate_for_target(v, Target{device.str(), device.is_cuda(), limit}, world_.world_size);
+    if (!device.is_cuda()) e.states.device.data = data_->resident_bytes();
+    return e.states;
+  };
+  // A step that runs out of memory in one process is retried with smaller micro-batches, down to one sample.
+  const bool retries = c.train.oom == "retry" && !sharded(world_.world_size);
+  const auto at_least = estimate(retries ? 1 : c.train.micro_batch);
+  if (at_least.peak_device() <= limit) return;
+  const auto& d = at_least.device;
+  throw Error(detail::concat(
+      "[memory] this run cannot fit: before building the model, its estimate per rank is ",
+      format_bytes(at_least.peak_device()), retries ? " even at micro-batch 1 (train.oom = retry's last resort)" : "",
+      " (parameters ", format_bytes(d.params), ", gradients ", format_bytes(d.grads), ", optimizer state ",
+      format_bytes(d.optimizer_state), ", data ", format_bytes(d.data), ", activations ", format_bytes(d.activations),
+      ", ZeRO-3 gathered ", format_bytes(d.gathered), ", bucket in flight ", format_bytes(d.buckets_in_flight), "; ",
+      at_least.method, ") and ", limited ? "memory.limit_mib = " + std::to_string(c.memory.limit_mib)
+                                        : device.str() + " has " + format_bytes(limit) + " free",
+      ". Shard the states (dist.zero_stage, more ranks, dist.offload_optimizer = cpu), recompute (memory.recompute = "
+      "all), fuse the head (memory.head = fused), shorten the context, or store AdamW's state in 8 bits "
+      "(train.optimizer = adamw8bit); memtrain plan --target shows what fits"));
 }
 
 void Trainer::make_estimate() {

@@ -230,6 +230,9 @@ class Trainer {
   // The activations in closed form (core/activation_model.h) where this run's model has a transformer shape and
   // memory.estimate_method allows it (nothing frozen: LoRA and train.freeze are probed); nullopt otherwise.
   bool closed_form_applies() const;
+  // Before the model is built: a gpt or llama whose closed-form estimate cannot fit memory.limit_mib (or the free
+  // memory of the device), even at the micro-batch train.oom = retry could fall back to, stops here with the terms.
+  void check_fits_before_building() const;
   ActivationProbe closed_form_probe(bool keep_grads, int64_t micro_batch) const;
   // Before the probe at micro_batch: says what it measures, and stops with an error naming the free memory
   // when the model's published formula puts its activations above it.
