@@ -433,7 +433,17 @@ void Trainer::check_fits_before_building() const {
   // A step that runs out of memory in one process is retried with smaller micro-batches, down to one sample.
   const bool retries = c.train.oom == "retry" && !sharded(world_.world_size);
   const auto at_least = estimate(retries ? 1 : c.train.micro_batch);
-  if (at_least.peak_device() <= limit) return;
+  if (at_least.peak_device() <= limit) {
+    if (retries && c.train.micro_batch > 1 && world_.is_main()) {
+      const auto configured = estimate(c.train.micro_batch);
+      if (configured.peak_device() > limit)
+        std::cerr << "memtrain: warning: [memory] the estimate at train.micro_batch = " << c.train.micro_batch << " is "
+                  << format_bytes(configured.peak_device()) << ", over " << format_bytes(limit)
+                  << (limited ? " (memory.limit_mib)" : " free") << "; train.oom = retry will split the micro-batches "
+                  << "(memtrain plan --target shows settings that fit)\n";
+    }
+    return;
+  }
   const auto& d = at_least.device;
   throw Error(detail::concat(
       "[memory] this run cannot fit: before building the model, its estimate per rank is ",

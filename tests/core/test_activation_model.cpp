@@ -1,0 +1,126 @@
+// The closed-form activation model (core/activation_model.h) against arithmetic: Korthikanti et al.'s per-layer
+// count adjusted term by term for what memtrain's GPT keeps, the Llama block's saved tensors one by one, and how
+// the recompute policies and the fused head change the peak. Its agreement with measured peaks is
+// tests/runtime/test_memory_estimate.cpp's and docs/benchmarks/estimate_cpu.md's.
+#include <gtest/gtest.h>
+
+#include "memtrain/core/activation_model.h"
+
+namespace memtrain {
+namespace {
+
+TransformerShape gpt2_shape() {
+  // GPT-2 124M: 12 x 768, 12 heads, context 1024, vocabulary 50257.
+  const int64_t h = 768;
+  return {.family = TransformerShape::Family::kGpt, .layers = 12, .hidden = h, .heads = 12, .kv_heads = 12,
+          .ffn = 4 * h, .vocab = 50257, .context = 1024, .positions = 1024, .bias = true, .tied = true,
+          .dropout = 0, .block_parameters = 12 * h * h + 13 * h, .root_parameters = 50257 * h + 1024 * h + 2 * h,
+          .largest_parameter = 50257 * h};
+}
+
+TEST(ActivationModel, GptBlockIsKorthikantisCountWithoutDropoutMasksAndWithFp32LayerNormInputs) {
+  // Korthikanti et al. 2022, section 4.1, 16-bit activations: s b h (34 + 5 a s / h) per layer, of which 5 a s^2 b
+  // is the attention's scores, softmax and dropout (flash attention keeps none: "selective" 34 s b h), and 2 s b h
+  // the two dropout masks (1 byte each). memtrain's block under bf16 autocast with fp32 parameters differs by:
+  //   - no masks at dropout 0 (-2 s b h);
+  //   - both LayerNorms' inputs are the fp32 residual stream (+2 s b h each: +4);
+  //   - what the paper leaves out: LayerNorm's mean and rstd (2 fp32 per token each: 16 s b) and the attention
+  //     kernel's logsumexp (one fp32 per head and token: 4 a s b).
+  const auto g = gpt2_shape();
+  const int64_t s = 1024, b = 8, h = 768, a = 12;
+  ActivationSettings bf16{.micro_batch = b, .autocast = true, .cuda = true};
+  const double korthikanti = korthikanti_layer_bytes(s, b, h, a, /*selective=*/true);
+  EXPECT_DOUBLE_EQ(korthikanti, 34.0 * s * b * h);
+  EXPECT_DOUBLE_EQ(korthikanti_layer_bytes(s, b, h, a, false), s * b * h * (34.0 + 5.0 * a * s / h));
+  EXPECT_EQ(static_cast<double>(transformer_activations(g, bf16).block_saved),
+            korthikanti - 2.0 * s * b * h + 4.0 * s * b * h + 16.0 * s * b + 4.0 * a * s * b);
+  // Dropout on a GPU: the fused kernels keep a 1-byte mask for each of the two dropouts (the paper's 2 s b h) and
+  // flash attention's dropout keeps only its seed (no 5 a s^2 b).
+  auto dropped = g;
+  dropped.dropout = 0.1;
+  EXPECT_EQ(static_cast<double>(transformer_activations(dropped, bf16).block_saved),
+            korthikanti + 4.0 * s * b * h + 16.0 * s * b + 4.0 * a * s * b);
+  // Dropout on a CPU: PyTorch's math attention keeps the softmax, its noise and the dropped scores (3 a s^2 b
+  // elements, 2 bytes each here: the paper's 5 a s^2 b is 2 + 1 + 2 bytes), and each dropout keeps its noise in the
+  // activation dtype (2 bytes for the paper's 1-byte mask).
+  auto cpu = bf16;
+  cpu.cuda = false;
+  EXPECT_EQ(static_cast<double>(transformer_activations(dropped, cpu).block_saved),
+            korthikanti + 2.0 * s * b * h + 4.0 * s * b * h + 16.0 * s * b + 3.0 * a * s * s * b * 2);
+  // bf16 parameters: the residual stream is 16-bit too (the paper's count less its masks), LayerNorm's statistics
+  // are bf16 (8 s b).
+  ActivationSettings half{.micro_batch = b, .half_params = true, .cuda = true};
+  EXPECT_EQ(static_cast<double>(transformer_activations(g, half).block_saved),
+            korthikanti - 2.0 * s * b * h + 8.0 * s * b + 4.0 * a * s * b);
+  // fp32: every activation twice the paper's 16-bit bytes; statistics and logsumexp as they were.
+  ActivationSettings fp32{.micro_batch = b, .cuda = true};
+  EXPECT_EQ(static_cast<double>(transformer_activations(g, fp32).block_saved),
+            2 * (korthikanti - 2.0 * s * b * h) + 16.0 * s * b + 4.0 * a * s * b);
+}
+
+TEST(ActivationModel, LlamaBlockCountsEachSavedTensor) {
+  // A GQA Llama block (h 4096, 32 heads, 8 key/value heads: k = 1024, SwiGLU F = 14336), per token, counted from
+  // the forward's saved tensors: RMSNorm keeps its fp32 input, rsqrt and the normalised value; the projections
+  // their input (autocast: a cast per projection); SDPA q, k, v, the output and a logsumexp per head; the MLP gate,
+  // SiLU(gate), up and their product.
+  const int64_t h = 4096, k = 1024, F = 14336, a = 32, s = 2048, b = 1;
+  TransformerShape m{.family = TransformerShape::Family::kLlama, .layers = 2, .hidden = h, .heads = a, .kv_heads = 8,
+                     .ffn = F, .vocab = 128256, .context = s, .tied = false};
+  const int64_t t = s * b;
+  ActivationSettings fp32{.micro_batch = b};
+  const int64_t norm32 = 4 * h + 4 + 4 * h;  // input (the fp32 residual itself), rsqrt, normalised
+  EXPECT_EQ(transformer_activations(m, fp32).block_saved,
+            t * (norm32 + 4 * h + (4 * h + 8 * k) + 4 * h + 4 * a + norm32 + 4 * h + 16 * F));
+  ActivationSettings autocast{.micro_batch = b, .autocast = true};
+  EXPECT_EQ(transformer_activations(m, autocast).block_saved,
+            t * (norm32 + 3 * 2 * h + (2 * h + 4 * k) + 2 * h + 4 * a + norm32 + 2 * 2 * h + 8 * F));
+  ActivationSettings half{.micro_batch = b, .half_params = true};
+  const int64_t norm16 = 4 * h + 4 + 2 * h;  // the fp32 upcast, rsqrt, the bf16 normalised value
+  EXPECT_EQ(transformer_activations(m, half).block_saved,
+            t * (norm16 + 2 * h + (2 * h + 4 * k) + 2 * h + 4 * a + norm16 + 2 * h + 8 * F));
+}
+
+TEST(ActivationModel, RecomputePoliciesOrderThePeakAndAllKeepsOneInputPerBlock) {
+  auto g = gpt2_shape();
+  ActivationSettings s{.micro_batch = 4, .autocast = true, .cuda = true};
+  auto peak = [&](const std::string& policy) {
+    auto v = s;
+    v.policy = RecomputePolicy::parse(policy);
+    return transformer_activations(g, v);
+  };
+  const auto none = peak("none"), every2 = peak("every:2"), attn = peak("attn"), mlp = peak("mlp"), all = peak("all");
+  EXPECT_GT(none.peak, every2.peak);
+  EXPECT_GT(every2.peak, all.peak);
+  EXPECT_GT(none.peak, attn.peak);
+  EXPECT_GT(attn.peak, mlp.peak);  // recomputing the MLP frees 22 h of the block's 36 h per token, attention 14 h
+  EXPECT_GT(mlp.peak, all.peak);
+  // With all blocks recomputed, the backward's start (GPT-2's logits dwarf a block) holds one fp32 input per block.
+  EXPECT_EQ(all.at, "the backward's start (the loss over the logits)");
+  const int64_t t = 4 * 1024;
+  bool found = false;
+  for (const auto& term : all.terms)
+    if (term.name == "blocks' saved tensors") found = true, EXPECT_EQ(term.bytes, 12 * 4 * 768 * t);
+  EXPECT_TRUE(found);
+  // The plain head's peak: the log-softmax's fp32 result, the loss gradient and the log-softmax gradient (3 x 4 V).
+  for (const auto& term : none.terms)
+    if (term.name.rfind("logits", 0) == 0) EXPECT_EQ(term.bytes, 12 * 50257 * t);
+}
+
+TEST(ActivationModel, TheFusedHeadHoldsOneChunkOfLogits) {
+  EXPECT_EQ(fused_head_chunk_rows(50257, false), (int64_t{1} << 24) / 50257);
+  EXPECT_EQ(fused_head_chunk_rows(50257, true) % 64, 0);
+  EXPECT_EQ(fused_head_chunk_rows(50257, true), (int64_t{1} << 27) / 50257 / 64 * 64);
+  auto g = gpt2_shape();
+  ActivationSettings plain{.micro_batch = 8, .autocast = true, .cuda = true};
+  auto fused = plain;
+  fused.head_rows = 0;
+  const auto p = transformer_activations(g, plain), f = transformer_activations(g, fused);
+  EXPECT_LT(f.peak, p.peak);
+  // Its chunk: the fp32 logits and logsumexp's temporary of the same size, for 2^27 / V rows (a multiple of 64).
+  for (const auto& term : f.terms)
+    if (term.name == "fused head: a chunk's logits (fp32)")
+      EXPECT_EQ(term.bytes, 8 * fused_head_chunk_rows(50257, true) * 50257);
+}
+
+}  // namespace
+}  // namespace memtrain
