@@ -98,8 +98,11 @@ TEST(ActivationModel, RecomputePoliciesOrderThePeakAndAllKeepsOneInputPerBlock) 
   EXPECT_EQ(all.at, "the backward's start (the loss over the logits)");
   const int64_t t = 4 * 1024;
   bool found = false;
-  for (const auto& term : all.terms)
-    if (term.name == "blocks' saved tensors") found = true, EXPECT_EQ(term.bytes, 12 * 4 * 768 * t);
+  for (const auto& term : all.terms) {
+    if (term.name != "blocks' saved tensors") continue;
+    found = true;
+    EXPECT_EQ(term.bytes, 12 * 4 * 768 * t);
+  }
   EXPECT_TRUE(found);
   // The plain head's peak: the log-softmax's fp32 result, the loss gradient and the log-softmax gradient (3 x 4 V).
   for (const auto& term : none.terms)
