@@ -18,6 +18,43 @@ double korthikanti_layer_bytes(int64_t s, int64_t b, int64_t h, int64_t a, bool 
 
 namespace {
 
+struct Linear {
+  const char* name;
+  int64_t in, out;
+  bool mlp;  // in the block's MLP part (else its attention part)
+};
+
+// A block's linear maps, by the names LoRA's targets use.
+std::vector<Linear> block_linears(const TransformerShape& m) {
+  const int64_t h = m.hidden, k = m.kv_heads * m.head_dim(), F = m.ffn;
+  if (m.family == TransformerShape::Family::kGpt)
+    return {{"c_attn", h, 3 * h, false}, {"c_proj", h, h, false}, {"c_fc", h, F, true}, {"c_proj", F, h, true}};
+  return {{"q_proj", h, h, false},    {"k_proj", h, k, false},  {"v_proj", h, k, false},   {"o_proj", h, h, false},
+          {"gate_proj", h, F, true}, {"up_proj", h, F, true}, {"down_proj", F, h, true}};
+}
+
+}  // namespace
+
+bool LoraShape::adapts(const std::string& name) const {
+  return rank > 0 && std::find(targets.begin(), targets.end(), name) != targets.end();
+}
+
+std::vector<int64_t> LoraShape::block_tensors(const TransformerShape& shape) const {
+  std::vector<int64_t> out;
+  for (const auto& l : block_linears(shape))
+    if (adapts(l.name)) out.insert(out.end(), {rank * l.in, l.out * rank});
+  return out;
+}
+
+int64_t LoraShape::block_elements(const TransformerShape& shape) const {
+  int64_t n = 0;
+  for (const auto& l : block_linears(shape))
+    if (adapts(l.name)) n += rank * (l.in + l.out);
+  return n;
+}
+
+namespace {
+
 // Bytes per token that one block part keeps for its backward, and the weight copies autocast caches for it
 // (independent of the batch), split as the recompute policies split a block.
 struct Part {
@@ -48,25 +85,56 @@ BlockModel block_model(const TransformerShape& m, const ActivationSettings& s) {
   const int64_t drop = m.dropout > 0 ? (s.cuda ? h : e * h) : 0;
   BlockModel b;
   b.input = r * h;
+  // LoRA: a frozen linear keeps no input (codegen saves a matmul's input only for its weight's gradient), a frozen
+  // RMSNorm weight no normalised value; each adapter keeps A x (rank values, saved by B) and, with dropout, the
+  // noise and the dropped input; under autocast it keeps its own 16-bit cast of the input, and its weights' casts.
+  const auto& lora = s.lora;
+  const bool frozen = lora.rank > 0;
+  auto kept_input = [&](std::initializer_list<const char*> names) {
+    if (!frozen) return true;
+    for (const char* n : names)
+      if (lora.adapts(n)) return true;
+    return false;
+  };
+  const int64_t xb = s.half_params ? 2 : 4;  // a norm output's dtype before autocast's cast
+  int64_t adapters[2] = {0, 0}, adapter_weights[2] = {0, 0};
+  for (const auto& l : block_linears(m)) {
+    if (!lora.adapts(l.name)) continue;
+    const bool after_norm = l.in == h && std::string(l.name) != "c_proj" && std::string(l.name) != "o_proj";
+    int64_t bytes = lora.rank * e;
+    if (lora.dropout > 0) bytes += (s.cuda ? 1 : (after_norm ? xb : e)) * l.in + (after_norm ? xb : e) * l.in;
+    adapters[l.mlp] += bytes;
+    adapter_weights[l.mlp] += w * lora.rank * (l.in + l.out);
+  }
   if (m.family == TransformerShape::Family::kGpt) {
     const int64_t stats = s.half_params ? 4 : 8;                // LayerNorm's mean and rstd
     // attn: x (LayerNorm's input), its stats, its output (c_attn's input, or autocast's cast of it), q k v,
     // the attention output (c_proj's input), the logsumexp; mlp: h1, stats, c_fc's input, c_fc's output (GELU's
     // input), GELU's output (c_proj's input).
-    b.attn = {r * h + stats + e * h + 3 * e * h + e * h + scores + drop, w * 4 * h * h, 7};
-    b.mlp = {r * h + stats + e * h + 2 * e * F + drop, w * 8 * h * h, 6};
+    const int64_t ln1_out = kept_input({"c_attn"}) ? e * h : 0, ln2_out = kept_input({"c_fc"}) ? e * h : 0;
+    const int64_t gelu_out = kept_input({"c_proj"}) ? e * F : 0;
+    b.attn = {r * h + stats + ln1_out + 3 * e * h + e * h + scores + drop + adapters[0], w * 4 * h * h + adapter_weights[0], 7};
+    b.mlp = {r * h + stats + ln2_out + e * F + gelu_out + drop + adapters[1], w * 8 * h * h + adapter_weights[1], 6};
     b.grad_mlp = e * F + cast;
     b.grad_attn = 3 * e * h + cast;
   } else {
     // RMSNorm in fp32: its fp32 input (the residual itself when it is fp32, else an upcast copy), rsqrt, the
     // normalised value (saved by the weight's product, in the parameters' dtype); then the projections' input
     // (autocast casts it once per projection).
-    const int64_t norm = 4 * h + 4 + r * h;
-    const int64_t attn_in = w > 0 ? 3 * 2 * h : e * h, mlp_in = w > 0 ? 2 * 2 * h : e * h;
+    const int64_t norm = 4 * h + 4 + (frozen ? 0 : r * h);
+    // The projections' input: autocast casts it once per projection that keeps it, else one tensor kept by any.
+    auto projections_in = [&](std::initializer_list<const char*> names) {
+      int64_t keeping = 0;
+      for (const char* n : names) keeping += !frozen || lora.adapts(n) ? 1 : 0;
+      return w > 0 ? keeping * 2 * h : (keeping > 0 ? e * h : 0);
+    };
+    const int64_t attn_in = projections_in({"q_proj", "k_proj", "v_proj"}), mlp_in = projections_in({"gate_proj", "up_proj"});
+    const int64_t product = kept_input({"down_proj"}) ? e * F : 0;
     // q and k after rotary, v (SDPA's), the attention output (o_proj's input), the logsumexp; gate (SiLU's
     // input), SiLU's output, up, their product (down's input).
-    b.attn = {norm + attn_in + e * h + 2 * e * k + e * h + scores, w * (2 * h * h + 2 * h * k), w > 0 ? 10 : 8};
-    b.mlp = {norm + mlp_in + 4 * e * F, w * 3 * h * F, w > 0 ? 9 : 8};
+    b.attn = {norm + attn_in + e * h + 2 * e * k + e * h + scores + adapters[0],
+              w * (2 * h * h + 2 * h * k) + adapter_weights[0], w > 0 ? 10 : 8};
+    b.mlp = {norm + mlp_in + 3 * e * F + product + adapters[1], w * 3 * h * F + adapter_weights[1], w > 0 ? 9 : 8};
     b.grad_mlp = 2 * e * F + cast;
     b.grad_attn = e * h + 2 * e * k + cast;
   }
@@ -115,13 +183,16 @@ ActivationEstimate transformer_activations(const TransformerShape& m, const Acti
   const int64_t all_tensors = std::accumulate(kept_tensors.begin(), kept_tensors.end(), int64_t{0});
 
   // The head's features: the final norm's saved tensors and the head's input.
+  // With LoRA the head is frozen: its matmul keeps no input, the final RMSNorm no normalised value.
+  const bool frozen = s.lora.rank > 0;
+  const int64_t head_in = frozen ? 0 : e * h;
   int64_t features = 0;
-  if (m.family == TransformerShape::Family::kGpt) features = r * h + (s.half_params ? 4 : 8) + e * h;
-  else features = 4 * h + 4 + r * h + e * h;
+  if (m.family == TransformerShape::Family::kGpt) features = r * h + (s.half_params ? 4 : 8) + head_in;
+  else features = 4 * h + 4 + (frozen ? 0 : r * h) + head_in;
   features *= t;
   // ... without the head's input, which the fused head does not keep.
-  const int64_t features_fused = features - e * h * t + (s.half_params ? 2 : 4) * h * t;  // the norm's fp32/bf16 output, alive in its forward
-  const int64_t features_saved = features - e * h * t;
+  const int64_t features_fused = features - head_in * t + (s.half_params ? 2 : 4) * h * t;  // the norm's output, alive in its forward
+  const int64_t features_saved = features - head_in * t;
   const int64_t x_bytes = s.half_params ? 2 : 4;  // the fused head's input dtype (the final norm's output)
 
   int64_t best = -1;
@@ -162,14 +233,16 @@ ActivationEstimate transformer_activations(const TransformerShape& m, const Acti
   // Each block's backward, from the last: the blocks below keep their saved tensors, this one's are whole
   // (recomputed when checkpointed), the gradients born so far (one process) are there, and the residual's
   // gradient, the recomputed output and the backward's working set.
-  const int64_t head_grads = s.keep_grads ? pb * (m.root_parameters - (m.family == TransformerShape::Family::kGpt
-                                                                          ? m.positions * h : (m.tied ? 0 : V * h)))
-                                          : 0;  // the embeddings' gradients are born last
+  const int64_t head_grads = s.keep_grads && !frozen
+                                 ? pb * (m.root_parameters - (m.family == TransformerShape::Family::kGpt
+                                                                  ? m.positions * h : (m.tied ? 0 : V * h)))
+                                 : 0;  // the embeddings' gradients are born last; LoRA trains no root parameter
+  const int64_t block_trained = frozen ? s.lora.block_elements(m) : m.block_parameters;
   int64_t below = all_kept, below_tensors = all_tensors;
   for (int64_t i = L - 1; i >= 0; --i) {
     below -= kept[static_cast<size_t>(i)], below_tensors -= kept_tensors[static_cast<size_t>(i)];
     const bool whole = !part && s.policy.checkpoints_block(i);
-    const int64_t grads = s.keep_grads ? head_grads + pb * (L - i) * m.block_parameters : 0;
+    const int64_t grads = s.keep_grads ? head_grads + pb * (L - i) * block_trained : 0;
     const int64_t attn_held = attn_ck ? b.input * t : b.attn.per_token * t + b.attn.weights;
     const std::string name = "block " + std::to_string(i) + "'s backward" + (whole || part ? " (recomputed)" : "");
     candidate(name + ", at its MLP",
@@ -190,13 +263,14 @@ ActivationEstimate transformer_activations(const TransformerShape& m, const Acti
     // The backward's end: every gradient, the embedding's dense gradient (added into the tied head's), the
     // embedding output's gradient. With bf16 parameters, the gradients then move to fp32 masters one tensor
     // at a time.
-    const int64_t P = L * m.block_parameters + m.root_parameters;
+    const int64_t P = L * block_trained + (frozen ? 0 : m.root_parameters);
     candidate("the backward's end (every gradient born)",
-              {batch, {"gradients", pb * P}, {"embedding's dense gradient", pb * V * h}, {"embedding output's gradient", r * h * t}},
+              {batch, {"gradients", pb * P}, {"embedding's dense gradient", frozen ? 0 : pb * V * h},
+               {"embedding output's gradient", frozen ? 0 : r * h * t}},
               2 * 12 * L);
+    const int64_t largest = frozen ? s.lora.rank * std::max(m.hidden, m.ffn) : m.largest_parameter;
     if (s.half_params)
-      candidate("the gradients' move to the fp32 masters", {batch, {"fp32 master gradients", 4 * P + 2 * m.largest_parameter}},
-                12 * L);
+      candidate("the gradients' move to the fp32 masters", {batch, {"fp32 master gradients", 4 * P + 2 * largest}}, 12 * L);
   }
   return out;
 }

@@ -103,8 +103,8 @@ EstimateInputs model_state_inputs(const Config& config, int world) {
   const auto& c = config.model;
   MEMTRAIN_CHECK(is_language_model(c), ConfigError, "[estimate] --target estimates gpt and llama without building them; "
                  "model.name = ", c.name, " is estimated by building it and probing (memtrain estimate without --target)");
-  MEMTRAIN_CHECK(config.lora.rank == 0 && config.train.freeze.empty(), ConfigError, "[estimate] --target does not count "
-                 "[lora] or train.freeze yet; estimate them without --target");
+  MEMTRAIN_CHECK(config.train.freeze.empty(), ConfigError, "[estimate] --target does not count train.freeze (a pattern "
+                 "over the built model's names); estimate it without --target");
   const int64_t vocab = config_vocab(config);
   // Each tensor's elements, a block's and the rest's (the root unit: embeddings, final norm, an untied head).
   std::vector<int64_t> block, root;
@@ -127,11 +127,30 @@ EstimateInputs model_state_inputs(const Config& config, int world) {
     if (!o.tie_embeddings) root.push_back(o.vocab_size * C);
     layers = o.n_layer;
   }
+  const int64_t block_all = std::accumulate(block.begin(), block.end(), int64_t{0});
+  const int64_t root_all = std::accumulate(root.begin(), root.end(), int64_t{0});
+  if (config.lora.rank > 0) {
+    // LoRA: the adapters train (A rank x in, B out x rank per adapted linear); the base is frozen, its bytes only.
+    const LoraShape lora{.rank = config.lora.rank, .dropout = config.lora.dropout, .targets = lora_targets(config.lora)};
+    const auto shape = config_transformer_shape(config);
+    const int64_t adapters = lora.block_elements(shape);
+    MEMTRAIN_CHECK(adapters > 0, ConfigError, "[config] lora.targets = '", config.lora.targets, "' names no linear map of ",
+                   c.name, "'s blocks");
+    std::vector<int64_t> trained;
+    const auto tensors = lora.block_tensors(shape);
+    for (int64_t l = 0; l < layers; ++l) trained.insert(trained.end(), tensors.begin(), tensors.end());
+    auto in = estimate_settings(config.train, config.dist, world, config.train.param_dtype == "bf16", trained);
+    in.block_elements.assign(static_cast<size_t>(layers), adapters);
+    in.frozen_block_elements.assign(static_cast<size_t>(layers), block_all);
+    in.frozen_root_elements = root_all;
+    in.frozen_elements = layers * block_all + root_all;
+    return in;
+  }
   auto trained = root;
   for (int64_t l = 0; l < layers; ++l) trained.insert(trained.end(), block.begin(), block.end());
   auto in = estimate_settings(config.train, config.dist, world, config.train.param_dtype == "bf16", trained);
-  in.block_elements.assign(static_cast<size_t>(layers), std::accumulate(block.begin(), block.end(), int64_t{0}));
-  in.root_elements = std::accumulate(root.begin(), root.end(), int64_t{0});
+  in.block_elements.assign(static_cast<size_t>(layers), block_all);
+  in.root_elements = root_all;
   return in;
 }
 

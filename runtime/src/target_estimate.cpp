@@ -48,6 +48,8 @@ ActivationSettings settings_of(const Config& config, bool cuda, bool keep_grads,
   s.head_rows = parse_head_rows(config.memory.head);
   s.keep_grads = keep_grads;
   s.cuda = cuda;
+  if (config.lora.rank > 0)
+    s.lora = {.rank = config.lora.rank, .dropout = config.lora.dropout, .targets = lora_targets(config.lora)};
   return s;
 }
 

@@ -105,7 +105,36 @@ int64_t Trainer::probe_activations(int64_t micro_batch, bool keep_grads, double*
 }
 
 ActivationProbe Trainer::probe(bool keep_grads) {
-  const auto [m0, m1] = probe_points(config_.train.micro_batch);
+  auto [m0, m1] = probe_points(config_.train.micro_batch);
+  if (m1 > m0) {
+    // A model without a closed form (an embedder's module, the ResNet, the MLP): the larger point's cost is
+    // predicted from the smaller one before it is allocated, and capped at half the free memory.
+    const auto first = probe_at(m0, m0, keep_grads);
+    int64_t free = free_device_bytes(memory_device());
+    if (config_.memory.limit_mib > 0) {  // the limit the run will hold to (installed after the estimate)
+      const int64_t used = device_.is_cuda() ? read_counters(device_).allocated : cpu_memory::current();
+      const int64_t left = (config_.memory.limit_mib << 20) - used;
+      free = free < 0 ? left : std::min(free, left);
+    }
+    const int64_t per_sample = (first.bytes[0] + m0 - 1) / m0;
+    if (free > 0 && per_sample > 0 && per_sample * m1 > free / 2) {
+      const int64_t capped = std::max(m0, free / 2 / per_sample);
+      if (world_.is_main())
+        std::cout << "memory estimate: the probe's micro-batch " << m1 << " would need about "
+                  << format_bytes(per_sample * m1) << " (" << format_bytes(per_sample) << " per sample at micro-batch "
+                  << m0 << "), over half of the " << format_bytes(free) << " free"
+                  << (config_.memory.limit_mib > 0 ? " under memory.limit_mib" : "") << ": probing "
+                  << (capped > m0 ? "micro-batch " + std::to_string(capped) : std::string("no second point"))
+                  << " instead\n" << std::flush;
+      if (capped == m0) return first;
+      m1 = capped;
+    }
+    auto p = first;  // the second point only
+    p.micro_batch[1] = m1;
+    p.bytes[1] = probe_activations(m1, keep_grads, &p.ms[1]);
+    clamp_probe_times(p);
+    return p;
+  }
   return probe_at(m0, m1, keep_grads);
 }
 
@@ -190,7 +219,11 @@ void Trainer::plan_to_budget() {
   std::vector<std::pair<std::string, std::string>> pairs;
   for (const auto& policy : policies)
     for (const auto& head : heads) pairs.emplace_back(policy, head);
-  const auto probes = probe_settings(pairs, p0, p1, !sharded, timed);
+  // GPT and Llama: each candidate's activations in closed form, at its own micro-batch; probes only for the times
+  // (one process). Other models: the probes' bytes too.
+  const bool closed = closed_form_applies();
+  std::vector<ActivationProbe> probes(pairs.size());
+  if (!closed || timed) probes = probe_settings(pairs, p0, p1, !sharded, timed);
   for (size_t k = 0; k < pairs.size(); ++k) {
     const auto& [policy, head] = pairs[k];
     const auto& pr = probes[k];
@@ -207,11 +240,14 @@ void Trainer::plan_to_budget() {
             in.micro_batch = mb, in.accum_steps = global / mb, in.stage = stage, in.budget_bytes = -1;
             in.offload = offload;
             in.probe = pr;
+            auto candidate_policy = RecomputePolicy::parse(policy);
+            candidate_policy.offload = m.offload;
+            if (closed) in.probe = closed_form_probe(!sharded, mb, candidate_policy, parse_head_rows(head));
             // The later micro-batches of one process find the gradients resident; what their backward adds is
             // taken as the first micro-batch's (gradients born included): an over-estimate by at most the
             // gradient bytes, which spares a second probe per setting. (A one-process offload candidate drops
             // its gradients per bucket: the kept-gradient probe over-estimates it the same way.)
-            if (!sharded) in.probe_dropped = pr;
+            if (!sharded) in.probe_dropped = closed ? closed_form_probe(false, mb, candidate_policy, parse_head_rows(head)) : pr;
             PlanCandidate c{.micro_batch = mb, .accum_steps = global / mb, .recompute = policy, .head = head, .stage = stage,
                             .offload = offload, .optimizer = optimizers[o], .lowbit_rank = static_cast<int>(o),
                             .estimate = estimate_memory(in)};
@@ -385,23 +421,30 @@ void Trainer::check_probe_fits(int64_t micro_batch) const {
 
 bool Trainer::closed_form_applies() const {
   const auto& method = config_.memory.estimate_method;
-  const bool can = model_->transformer_shape().has_value() && frozen_.empty();
+  const bool can = model_->transformer_shape().has_value() && config_.train.freeze.empty();
   MEMTRAIN_CHECK(can || method != "closed_form", ConfigError, "[config] memory.estimate_method = closed_form: ",
-                 model_->transformer_shape() ? "[lora] and train.freeze are not in the closed form yet"
+                 model_->transformer_shape() ? "train.freeze is not in the closed form ([lora] is)"
                                              : "this model has none (gpt and llama do)",
                  "; use auto or probe");
   return can && method != "probe";
 }
 
 ActivationProbe Trainer::closed_form_probe(bool keep_grads, int64_t micro_batch) const {
+  return closed_form_probe(keep_grads, micro_batch, policy_, head_rows_);
+}
+
+ActivationProbe Trainer::closed_form_probe(bool keep_grads, int64_t micro_batch, const RecomputePolicy& policy,
+                                           int64_t head_rows) const {
   ActivationSettings s;
   s.micro_batch = micro_batch;
   s.half_params = param_dtype_ != torch::kFloat;
   s.autocast = precision_ != Precision::kFp32 && !s.half_params;
-  s.policy = policy_;
-  s.head_rows = head_rows_;
+  s.policy = policy;
+  s.head_rows = head_rows;
   s.keep_grads = keep_grads;
   s.cuda = device_.is_cuda();
+  if (config_.lora.rank > 0)
+    s.lora = {.rank = config_.lora.rank, .dropout = config_.lora.dropout, .targets = lora_targets(config_.lora)};
   const auto a = transformer_activations(*model_->transformer_shape(), s);
   ActivationProbe p;
   p.micro_batch[0] = p.micro_batch[1] = micro_batch;
@@ -413,10 +456,10 @@ ActivationProbe Trainer::closed_form_probe(bool keep_grads, int64_t micro_batch)
 
 void Trainer::check_fits_before_building() const {
   const auto& c = config_;
-  if (!c.memory.estimate || c.memory.estimate_method == "probe" || !is_language_model(c.model) || c.lora.rank > 0 ||
+  if (!c.memory.estimate || c.memory.estimate_method == "probe" || !is_language_model(c.model) || !c.lora.init_from.empty() ||
       !c.train.freeze.empty() || !c.model.init_from.empty() || parse_budget_mib(c.memory.budget_mib) != 0 ||
       RecomputePolicy::parse(c.memory.recompute).mode == RecomputePolicy::Mode::kBudget)
-    return;  // the planner sizes its own settings; init_from's shape is read with the model; LoRA is probed
+    return;  // the planner sizes its own settings; init_from's shape is read with the model; train.freeze is probed
   const auto device = resolve_device(c.train.device, world_.local_rank);
   const bool limited = c.memory.limit_mib > 0;
   const int64_t limit = limited ? c.memory.limit_mib << 20 : free_device_bytes(device);

@@ -58,6 +58,11 @@ def matrix():
                   ["--memory.head=fused"], ["--train.param_dtype=bf16"], ["--model.tie_embeddings=true", "--train.accum_steps=2"],
                   ["--model.n_kv_head=1", "--model.n_embd=256", "--model.n_head=8", "--memory.recompute=every:2"]):
         rows.append(("Llama 4x128 GQA", 1, LLAMA, llama + extra))
+    # LoRA on a frozen base: adapters' inputs and A x kept, frozen linears' inputs and frozen norms' outputs not.
+    rows.append(("Llama 4x128 GQA LoRA", 1, LLAMA, llama + ["--lora.rank=8", "--lora.targets=q_proj,v_proj"]))
+    rows.append(("Llama 4x128 GQA LoRA", 1, LLAMA, llama + ["--lora.rank=8", "--lora.targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                                                           "--train.precision=bf16", "--memory.recompute=every:2"]))
+    rows.append(("GPT 4x128 LoRA", 1, GPT, ["--train.micro_batch=16", "--lora.rank=8", "--lora.targets=c_attn,c_fc"]))
     for stage in (1, 3):
         rows.append(("Llama 4x128 GQA", 2, LLAMA, ["--train.threads=1", f"--dist.zero_stage={stage}", "--train.micro_batch=4",
                                                    "--dist.bucket_mib=2"]))

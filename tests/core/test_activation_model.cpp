@@ -9,6 +9,13 @@
 namespace memtrain {
 namespace {
 
+// micro-batch, autocast (bf16/fp16 activations, fp32 parameters), bf16 parameters, a CUDA device.
+ActivationSettings settings(int64_t micro_batch, bool autocast, bool half_params, bool cuda) {
+  ActivationSettings s;
+  s.micro_batch = micro_batch, s.autocast = autocast, s.half_params = half_params, s.cuda = cuda;
+  return s;
+}
+
 TransformerShape gpt2_shape() {
   // GPT-2 124M: 12 x 768, 12 heads, context 1024, vocabulary 50257.
   const int64_t h = 768;
@@ -28,7 +35,7 @@ TEST(ActivationModel, GptBlockIsKorthikantisCountWithoutDropoutMasksAndWithFp32L
   //     kernel's logsumexp (one fp32 per head and token: 4 a s b).
   const auto g = gpt2_shape();
   const int64_t s = 1024, b = 8, h = 768, a = 12;
-  ActivationSettings bf16{.micro_batch = b, .autocast = true, .cuda = true};
+  auto bf16 = settings(b, true, false, true);
   const double korthikanti = korthikanti_layer_bytes(s, b, h, a, /*selective=*/true);
   EXPECT_DOUBLE_EQ(korthikanti, 34.0 * s * b * h);
   EXPECT_DOUBLE_EQ(korthikanti_layer_bytes(s, b, h, a, false), s * b * h * (34.0 + 5.0 * a * s / h));
@@ -49,11 +56,11 @@ TEST(ActivationModel, GptBlockIsKorthikantisCountWithoutDropoutMasksAndWithFp32L
             korthikanti + 2.0 * s * b * h + 4.0 * s * b * h + 16.0 * s * b + 3.0 * a * s * s * b * 2);
   // bf16 parameters: the residual stream is 16-bit too (the paper's count less its masks), LayerNorm's statistics
   // are bf16 (8 s b).
-  ActivationSettings half{.micro_batch = b, .half_params = true, .cuda = true};
+  auto half = settings(b, false, true, true);
   EXPECT_EQ(static_cast<double>(transformer_activations(g, half).block_saved),
             korthikanti - 2.0 * s * b * h + 8.0 * s * b + 4.0 * a * s * b);
   // fp32: every activation twice the paper's 16-bit bytes; statistics and logsumexp as they were.
-  ActivationSettings fp32{.micro_batch = b, .cuda = true};
+  auto fp32 = settings(b, false, false, true);
   EXPECT_EQ(static_cast<double>(transformer_activations(g, fp32).block_saved),
             2 * (korthikanti - 2.0 * s * b * h) + 16.0 * s * b + 4.0 * a * s * b);
 }
@@ -67,14 +74,14 @@ TEST(ActivationModel, LlamaBlockCountsEachSavedTensor) {
   TransformerShape m{.family = TransformerShape::Family::kLlama, .layers = 2, .hidden = h, .heads = a, .kv_heads = 8,
                      .ffn = F, .vocab = 128256, .context = s, .tied = false};
   const int64_t t = s * b;
-  ActivationSettings fp32{.micro_batch = b};
+  auto fp32 = settings(b, false, false, false);
   const int64_t norm32 = 4 * h + 4 + 4 * h;  // input (the fp32 residual itself), rsqrt, normalised
   EXPECT_EQ(transformer_activations(m, fp32).block_saved,
             t * (norm32 + 4 * h + (4 * h + 8 * k) + 4 * h + 4 * a + norm32 + 4 * h + 16 * F));
-  ActivationSettings autocast{.micro_batch = b, .autocast = true};
+  auto autocast = settings(b, true, false, false);
   EXPECT_EQ(transformer_activations(m, autocast).block_saved,
             t * (norm32 + 3 * 2 * h + (2 * h + 4 * k) + 2 * h + 4 * a + norm32 + 2 * 2 * h + 8 * F));
-  ActivationSettings half{.micro_batch = b, .half_params = true};
+  auto half = settings(b, false, true, false);
   const int64_t norm16 = 4 * h + 4 + 2 * h;  // the fp32 upcast, rsqrt, the bf16 normalised value
   EXPECT_EQ(transformer_activations(m, half).block_saved,
             t * (norm16 + 2 * h + (2 * h + 4 * k) + 2 * h + 4 * a + norm16 + 2 * h + 8 * F));
@@ -82,7 +89,7 @@ TEST(ActivationModel, LlamaBlockCountsEachSavedTensor) {
 
 TEST(ActivationModel, RecomputePoliciesOrderThePeakAndAllKeepsOneInputPerBlock) {
   auto g = gpt2_shape();
-  ActivationSettings s{.micro_batch = 4, .autocast = true, .cuda = true};
+  auto s = settings(4, true, false, true);
   auto peak = [&](const std::string& policy) {
     auto v = s;
     v.policy = RecomputePolicy::parse(policy);
@@ -114,7 +121,7 @@ TEST(ActivationModel, TheFusedHeadHoldsOneChunkOfLogits) {
   EXPECT_EQ(fused_head_chunk_rows(50257, true) % 64, 0);
   EXPECT_EQ(fused_head_chunk_rows(50257, true), (int64_t{1} << 27) / 50257 / 64 * 64);
   auto g = gpt2_shape();
-  ActivationSettings plain{.micro_batch = 8, .autocast = true, .cuda = true};
+  auto plain = settings(8, true, false, true);
   auto fused = plain;
   fused.head_rows = 0;
   const auto p = transformer_activations(g, plain), f = transformer_activations(g, fused);
@@ -123,6 +130,35 @@ TEST(ActivationModel, TheFusedHeadHoldsOneChunkOfLogits) {
   for (const auto& term : f.terms)
     if (term.name == "fused head: a chunk's logits (fp32)")
       EXPECT_EQ(term.bytes, 8 * fused_head_chunk_rows(50257, true) * 50257);
+}
+
+TEST(ActivationModel, LoraKeepsOnlyWhatItsAdaptersAndTheFrozenBasesInputsNeed) {
+  // A Llama block with adapters on q_proj and v_proj (rank 8), fp32: the base is frozen, so neither RMSNorm keeps its
+  // normalised value (its weight takes no gradient), gate/up and down keep no input (nothing adapted there); q_proj
+  // and v_proj keep their input (A's), and each adapter keeps A x (8 values). SDPA, SiLU and the product's operands
+  // keep theirs for the input's gradient as before.
+  const int64_t h = 512, k = 128, F = 1408, a = 8, s = 256, b = 2, r = 8;
+  TransformerShape m{.family = TransformerShape::Family::kLlama, .layers = 4, .hidden = h, .heads = a, .kv_heads = 2,
+                     .ffn = F, .vocab = 32000, .context = s, .tied = false};
+  auto fp32 = settings(b, false, false, false);
+  const auto full = transformer_activations(m, fp32);
+  auto lora = fp32;
+  lora.lora.rank = r, lora.lora.targets = {"q_proj", "v_proj"};
+  const int64_t t = s * b;
+  const int64_t norm_frozen = 4 * h + 4;
+  EXPECT_EQ(transformer_activations(m, lora).block_saved,
+            t * (norm_frozen + 4 * h + (4 * h + 8 * k) + 4 * h + 4 * a + 2 * 4 * r + norm_frozen + 3 * 4 * F));
+  EXPECT_LT(transformer_activations(m, lora).peak, full.peak);
+  // The adapters' elements: A (r x in) and B (out x r) for q (h -> h) and v (h -> k).
+  EXPECT_EQ(lora.lora.block_elements(m), r * (h + h) + r * (h + k));
+  // GPT with c_attn only: LayerNorm 2's output and GELU's output are no one's input to keep.
+  auto g = gpt2_shape();
+  auto bf16 = settings(4, true, false, true);
+  auto adapted = bf16;
+  adapted.lora.rank = r, adapted.lora.targets = {"c_attn"};
+  const int64_t hg = 768, tg = 4 * 1024;
+  EXPECT_EQ(transformer_activations(g, bf16).block_saved - transformer_activations(g, adapted).block_saved,
+            tg * (2 * hg + 2 * 4 * hg - 2 * r));
 }
 
 }  // namespace

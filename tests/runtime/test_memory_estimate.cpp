@@ -475,6 +475,21 @@ TEST(TargetEstimate, EightBillionParametersOnEightGpusIsAnsweredWithoutBuildingA
   const double deepspeed_sharded_without_grads = 16.0 * P / 8 - 2.0 * P / 8;
   EXPECT_NEAR(static_cast<double>(e.device.params + e.device.optimizer_state), deepspeed_sharded_without_grads,
               1e-3 * deepspeed_sharded_without_grads);
+  // ZeRO-2 (DeepSpeed's stage_1_and_2 estimator, no offload): 2 P + 18 P / N, the 18 being a 16-bit gradient (2), a
+  // fp32 gradient (4), fp32 masters (4) and two moments (8) per element of a rank's part. memtrain keeps the whole
+  // bf16 parameters (2 P) and its part's masters and moments (12 P / N); with accumulation over 4 micro-batches it
+  // holds the part's fp32 gradient too (4 P / N). Its bf16 gradient exists only bucket by bucket (bucket_mib).
+  auto c2 = Config::load("", {"--model.name=llama", "--model.preset=llama-3.1-8b", "--train.param_dtype=bf16",
+                              "--dist.zero_stage=2", "--data.dataset=synthetic", "--train.accum_steps=4",
+                              "--dist.reduce=micro_batch"});
+  const auto e2 = estimate_memory(model_state_inputs(c2, 8));
+  EXPECT_NEAR(static_cast<double>(e2.device.params), 2.0 * P, 1e-6 * 2.0 * P);
+  EXPECT_NEAR(static_cast<double>(e2.device.optimizer_state), 12.0 * P / 8, 1e-3 * 12.0 * P / 8);
+  EXPECT_NEAR(static_cast<double>(e2.device.grads), 4.0 * P / 8, 1e-3 * 4.0 * P / 8);
+  const double deepspeed2_less_16bit_grads = 2.0 * P + 18.0 * P / 8 - 2.0 * P / 8;
+  EXPECT_NEAR(static_cast<double>(e2.device.params + e2.device.optimizer_state + e2.device.grads),
+              deepspeed2_less_16bit_grads, 1e-3 * deepspeed2_less_16bit_grads);
+  EXPECT_EQ(e2.device.buckets_in_flight, static_cast<int64_t>(c2.dist.bucket_mib * (1 << 20)));
 }
 
 TEST(TargetEstimate, TheRunsOwnEstimateIsInClosedFormForGptAndLlamaAndWithinTenPercent) {
@@ -498,6 +513,43 @@ TEST(TargetEstimate, TheRunsOwnEstimateIsInClosedFormForGptAndLlamaAndWithinTenP
     const double measured = e["measured_peak"].get<double>(), estimate = e["device"]["peak"].get<double>();
     EXPECT_NEAR(estimate, measured, 0.10 * measured) << e.dump(2);
   }
+}
+
+TEST(TargetEstimate, LoraRunsAreInClosedFormAndTheirStatesAreTheBuiltModels) {
+  // Adapters on q_proj and v_proj of a GQA Llama (and on GPT's c_attn): the estimate without building counts the
+  // adapters as trained and the base as frozen, as the built model does; the run's closed form is within 10%.
+  for (const std::string name : {"llama", "gpt"}) {
+    SCOPED_TRACE(name);
+    auto c = Config::load("", {"--model.name=" + name, "--model.n_layer=2", "--model.n_embd=64", "--model.n_head=4",
+                               "--model.block_size=64", "--lora.rank=4",
+                               name == "llama" ? "--lora.targets=q_proj,v_proj" : "--lora.targets=c_attn",
+                               name == "llama" ? "--model.n_kv_head=2" : "--model.bias=true", "--train.micro_batch=8",
+                               "--train.steps=3", "--train.threads=1", "--train.eval_every=0", "--log.dir=" + test::run_root()});
+    const auto in = model_state_inputs(c, 1);
+    Trainer t(c);
+    int64_t trained = 0, frozen = 0;
+    for (const auto& item : t.model().named_parameters()) (item.value().requires_grad() ? trained : frozen) += item.value().numel();
+    EXPECT_EQ(std::accumulate(in.block_elements.begin(), in.block_elements.end(), in.root_elements), trained);
+    EXPECT_EQ(in.frozen_elements, frozen);
+    for (int i = 0; i < 3; ++i) t.step();
+    EXPECT_NE(t.memory_estimate().method.find("activations in closed form"), std::string::npos) << t.memory_estimate().method;
+    const double measured = static_cast<double>(t.tracker().summaries()[0].max_peak);
+    EXPECT_NEAR(static_cast<double>(t.memory_estimate().peak_device()), measured, 0.10 * measured) << t.memory_estimate().table();
+  }
+}
+
+TEST(MemoryEstimate, TheProbesLargerMicroBatchIsCappedAtHalfTheFreeMemory) {
+  // The default GPT probed (memory.estimate_method = probe) at micro-batches 4 and 8 under memory.limit_mib = 60:
+  // about 4.5 MiB of activations per sample (72 MiB at 16, estimate_cpu.md) make micro-batch 8 about 36 MiB, over
+  // half of the ~52 MiB the limit leaves beside the parameters and the text: the second point is lowered first.
+  int code = -1;
+  const auto out = test::shell(test::binary("memtrain") + " estimate --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
+                                   " --memory.estimate_method=probe --memory.limit_mib=60 --train.threads=1 2>&1",
+                               &code);
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("memory estimate: the probe's micro-batch 8 would need about"), std::string::npos) << out;
+  EXPECT_NE(out.find("under memory.limit_mib: probing micro-batch"), std::string::npos) << out;
+  EXPECT_NE(out.find("activations measured at micro-batch 4 and "), std::string::npos) << out;
 }
 
 TEST(TargetEstimate, LlamaEightAndSeventyBillionAreAnsweredInUnderASecondWithEveryTerm) {
@@ -540,7 +592,9 @@ TEST(TargetEstimate, PlanListsSettingsThatFitBestFirstAndWritesAnIniThatRuns) {
   for (size_t i = 0; i < plan.fitting.size(); ++i) {
     EXPECT_LE(static_cast<double>(plan.fitting[i].estimate.peak_device()), usable) << plan.fitting[i].describe();
     EXPECT_EQ(plan.fitting[i].micro_batch * plan.fitting[i].accum_steps, 64);
-    if (i > 0) EXPECT_LE(plan.fitting[i - 1].step_ms, plan.fitting[i].step_ms);
+    if (i > 0) {
+      EXPECT_LE(plan.fitting[i - 1].step_ms, plan.fitting[i].step_ms);
+    }
   }
   EXPECT_LT(plan.fitting.size(), static_cast<size_t>(plan.considered));  // micro-batch 64 without recompute does not fit
   test::TempDir dir;

@@ -343,6 +343,12 @@ TEST(OutOfMemory, AStepOverTheLimitIsRetriedWithHalfTheMicroBatchAndTheSameSampl
     }
 
   c.train.oom = "fail";
+  // Without a retry, its own estimate (over the limit at micro-batch 64) stops it before the model is built.
+  const auto before = test::error_of([&] { Trainer t(c); });
+  EXPECT_NE(before.find("[memory] this run cannot fit: before building the model"), std::string::npos) << before;
+  EXPECT_NE(before.find("memory.limit_mib = " + std::to_string(c.memory.limit_mib)), std::string::npos) << before;
+  // Without the estimate, the step itself runs out and says so.
+  c.memory.estimate = false;
   Trainer failing(c);
   const auto e = test::error_of([&] { failing.step(); });
   cpu_memory::set_limit(0);

@@ -35,15 +35,29 @@ struct TransformerShape {
   int64_t head_dim() const { return hidden / heads; }
 };
 
+// LoRA's adapters on a frozen base (models/lora.h): rank, dropout, and the linear maps adapted by name (GPT: c_attn,
+// c_proj (both the attention's and the MLP's), c_fc; Llama: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+// down_proj).
+struct LoraShape {
+  int64_t rank = 0;  // 0: no adapters, everything trains
+  double dropout = 0;
+  std::vector<std::string> targets{};
+  bool adapts(const std::string& name) const;
+  // Elements of one block's adapters (A: rank x in, B: out x rank for each adapted linear).
+  int64_t block_elements(const TransformerShape& shape) const;
+  std::vector<int64_t> block_tensors(const TransformerShape& shape) const;  // each A's and B's elements
+};
+
 struct ActivationSettings {
   int64_t micro_batch = 1;
   bool autocast = false;       // train.precision = bf16 | fp16: linears and attention in 16 bits, parameters fp32
   bool half_params = false;    // train.param_dtype = bf16: everything in 16 bits, fp32 masters
-  RecomputePolicy policy;      // memory.recompute (a budget resolved to its blocks)
+  RecomputePolicy policy{};    // memory.recompute (a budget resolved to its blocks)
   int64_t head_rows = -1;      // memory.head: -1 plain, 0 fused with automatic chunks, > 0 fused with these rows
   bool keep_grads = true;      // one process: each gradient stays from its birth in backward (several ranks
                                // reduce them into buckets, counted apart)
   bool cuda = false;           // CUDA's attention and dropout kernels, and the fused head's GPU chunks
+  LoraShape lora{};            // adapters on a frozen base: frozen linears keep no input, frozen norms less
 };
 
 struct ActivationTerm {

@@ -233,7 +233,8 @@ class Trainer {
   // Before the model is built: a gpt or llama whose closed-form estimate cannot fit memory.limit_mib (or the free
   // memory of the device), even at the micro-batch train.oom = retry could fall back to, stops here with the terms.
   void check_fits_before_building() const;
-  ActivationProbe closed_form_probe(bool keep_grads, int64_t micro_batch) const;
+  ActivationProbe closed_form_probe(bool keep_grads, int64_t micro_batch) const;  // this run's policy and head
+  ActivationProbe closed_form_probe(bool keep_grads, int64_t micro_batch, const RecomputePolicy& policy, int64_t head_rows) const;
   // Before the probe at micro_batch: says what it measures, and stops with an error naming the free memory
   // when the model's published formula puts its activations above it.
   void check_probe_fits(int64_t micro_batch) const;
