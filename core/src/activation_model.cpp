@@ -115,7 +115,9 @@ BlockModel block_model(const TransformerShape& m, const ActivationSettings& s) {
     const int64_t gelu_out = kept_input({"c_proj"}) ? e * F : 0;
     b.attn = {r * h + stats + ln1_out + 3 * e * h + e * h + scores + drop + adapters[0], w * 4 * h * h + adapter_weights[0], 7};
     b.mlp = {r * h + stats + ln2_out + e * F + gelu_out + drop + adapters[1], w * 8 * h * h + adapter_weights[1], 6};
-    b.grad_mlp = e * F + cast;
+    // The output projection's input gradient, and GELU's beside it; when that input was kept (saved for the
+    // weight's gradient) it is freed as GELU's gradient is made, else both are new.
+    b.grad_mlp = e * F + cast + (gelu_out == 0 ? e * F : 0);
     b.grad_attn = 3 * e * h + cast;
   } else {
     // RMSNorm in fp32: its fp32 input (the residual itself when it is fp32, else an upcast copy), rsqrt, the
@@ -135,7 +137,7 @@ BlockModel block_model(const TransformerShape& m, const ActivationSettings& s) {
     b.attn = {norm + attn_in + e * h + 2 * e * k + e * h + scores + adapters[0],
               w * (2 * h * h + 2 * h * k) + adapter_weights[0], w > 0 ? 10 : 8};
     b.mlp = {norm + mlp_in + 3 * e * F + product + adapters[1], w * 3 * h * F + adapter_weights[1], w > 0 ? 9 : 8};
-    b.grad_mlp = 2 * e * F + cast;
+    b.grad_mlp = 2 * e * F + cast + (product == 0 ? e * F : 0);  // as GPT's: the product's gradient beside its operands'
     b.grad_attn = e * h + 2 * e * k + cast;
   }
   return b;
