@@ -1,6 +1,7 @@
 #include "memtrain/core/activation_model.h"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 
 namespace memtrain {
@@ -245,18 +246,20 @@ ActivationEstimate transformer_activations(const TransformerShape& m, const Acti
     below -= kept[static_cast<size_t>(i)], below_tensors -= kept_tensors[static_cast<size_t>(i)];
     const bool whole = !part && s.policy.checkpoints_block(i);
     const int64_t grads = s.keep_grads ? head_grads + pb * (L - i) * block_trained : 0;
+    // ZeRO 2-3: the reduced parts of the blocks above, whose buckets were reduced (this block's is in flight).
+    const auto reduced = static_cast<int64_t>(std::llround(s.reduced_bytes_per_element * static_cast<double>((L - 1 - i) * block_trained)));
     const int64_t attn_held = attn_ck ? b.input * t : b.attn.per_token * t + b.attn.weights;
     const std::string name = "block " + std::to_string(i) + "'s backward" + (whole || part ? " (recomputed)" : "");
     candidate(name + ", at its MLP",
               {batch, {"blocks below: saved tensors", below},
                {"this block: saved tensors", attn_held + b.mlp.per_token * t + b.mlp.weights},
-               {"gradients born so far", grads},
+               {"gradients born so far", grads}, {"reduced gradient parts (ZeRO 2-3)", reduced},
                {"residual gradient, recomputed output, MLP backward", 2 * r * h * t + b.grad_mlp * t}},
               below_tensors + b.attn.tensors + b.mlp.tensors + 4);
     candidate(name + ", at its attention",
               {batch, {"blocks below: saved tensors", below},
                {"this block: attention's saved tensors", b.attn.per_token * t + b.attn.weights},
-               {"gradients born so far", grads},
+               {"gradients born so far", grads}, {"reduced gradient parts (ZeRO 2-3)", reduced},
                {"residual gradient, recomputed output, attention backward", 2 * r * h * t + b.grad_attn * t}},
               below_tensors + b.attn.tensors + 4);
   }

@@ -80,6 +80,14 @@ GPTOptions gpt_options(const ModelConfig& c, int64_t vocab) {
   return o;
 }
 
+double reduced_part_bytes_per_element(const TrainOptions& t, const DistConfig& d, int world, bool cuda) {
+  const bool bf16 = t.param_dtype == "bf16";
+  const bool sharded = world > 1 || d.offload_optimizer == "cpu";
+  const bool held_across = t.accum_steps > 1 && (d.zero_stage == 3 || d.reduce == "micro_batch" || bf16);
+  if (!sharded || d.zero_stage < 2 || held_across || (cuda && d.offload_optimizer == "cpu")) return 0;
+  return 4.0 / static_cast<double>(std::max(1, world));  // the stepped tensor's dtype: fp32 masters or fp32 parameters
+}
+
 int64_t config_vocab(const Config& config) {
   // The vocabulary without reading the data: the key, the preset's, or byte-level text's 256.
   const auto& c = config.model;

@@ -38,8 +38,9 @@ std::vector<DeviceTerm> device_terms(const Target& t, int world, const Activatio
   return terms;
 }
 
-ActivationSettings settings_of(const Config& config, bool cuda, bool keep_grads, int64_t micro_batch) {
+ActivationSettings settings_of(const Config& config, bool cuda, bool keep_grads, int64_t micro_batch, int world) {
   ActivationSettings s;
+  s.reduced_bytes_per_element = reduced_part_bytes_per_element(config.train, config.dist, world, cuda);
   s.micro_batch = micro_batch;
   s.half_params = config.train.param_dtype == "bf16";
   s.autocast = config.train.precision != "fp32" && !s.half_params;
@@ -70,7 +71,7 @@ TargetEstimate estimate_for_target(const Config& config, const Target& target, i
   const bool sharded = world > 1 || config.dist.offload_optimizer == "cpu";
   const auto mb = config.train.micro_batch;
   auto probe = [&](bool keep) {
-    const auto a = transformer_activations(shape, settings_of(config, target.cuda, keep, mb));
+    const auto a = transformer_activations(shape, settings_of(config, target.cuda, keep, mb, world));
     ActivationProbe p;
     p.micro_batch[0] = p.micro_batch[1] = mb;
     p.bytes[0] = p.bytes[1] = a.peak;

@@ -242,12 +242,17 @@ void Trainer::plan_to_budget() {
             in.probe = pr;
             auto candidate_policy = RecomputePolicy::parse(policy);
             candidate_policy.offload = m.offload;
-            if (closed) in.probe = closed_form_probe(!sharded, mb, candidate_policy, parse_head_rows(head));
+            auto candidate_train = t;
+            auto candidate_dist = config_.dist;
+            candidate_train.accum_steps = global / mb, candidate_dist.zero_stage = stage;
+            candidate_dist.offload_optimizer = offload ? "cpu" : "none";
+            const double reduced = reduced_part_bytes_per_element(candidate_train, candidate_dist, world_.world_size, device_.is_cuda());
+            if (closed) in.probe = closed_form_probe(!sharded, mb, candidate_policy, parse_head_rows(head), reduced);
             // The later micro-batches of one process find the gradients resident; what their backward adds is
             // taken as the first micro-batch's (gradients born included): an over-estimate by at most the
             // gradient bytes, which spares a second probe per setting. (A one-process offload candidate drops
             // its gradients per bucket: the kept-gradient probe over-estimates it the same way.)
-            if (!sharded) in.probe_dropped = closed ? closed_form_probe(false, mb, candidate_policy, parse_head_rows(head)) : pr;
+            if (!sharded) in.probe_dropped = closed ? closed_form_probe(false, mb, candidate_policy, parse_head_rows(head), reduced) : pr;
             PlanCandidate c{.micro_batch = mb, .accum_steps = global / mb, .recompute = policy, .head = head, .stage = stage,
                             .offload = offload, .optimizer = optimizers[o], .lowbit_rank = static_cast<int>(o),
                             .estimate = estimate_memory(in)};
@@ -430,11 +435,12 @@ bool Trainer::closed_form_applies() const {
 }
 
 ActivationProbe Trainer::closed_form_probe(bool keep_grads, int64_t micro_batch) const {
-  return closed_form_probe(keep_grads, micro_batch, policy_, head_rows_);
+  return closed_form_probe(keep_grads, micro_batch, policy_, head_rows_,
+                           reduced_part_bytes_per_element(config_.train, config_.dist, world_.world_size, device_.is_cuda()));
 }
 
 ActivationProbe Trainer::closed_form_probe(bool keep_grads, int64_t micro_batch, const RecomputePolicy& policy,
-                                           int64_t head_rows) const {
+                                           int64_t head_rows, double reduced_bytes_per_element) const {
   ActivationSettings s;
   s.micro_batch = micro_batch;
   s.half_params = param_dtype_ != torch::kFloat;
@@ -443,6 +449,7 @@ ActivationProbe Trainer::closed_form_probe(bool keep_grads, int64_t micro_batch,
   s.head_rows = head_rows;
   s.keep_grads = keep_grads;
   s.cuda = device_.is_cuda();
+  s.reduced_bytes_per_element = reduced_bytes_per_element;
   if (config_.lora.rank > 0)
     s.lora = {.rank = config_.lora.rank, .dropout = config_.lora.dropout, .targets = lora_targets(config_.lora)};
   const auto a = transformer_activations(*model_->transformer_shape(), s);

@@ -58,6 +58,10 @@ struct ActivationSettings {
                                // reduce them into buckets, counted apart)
   bool cuda = false;           // CUDA's attention and dropout kernels, and the fused head's GPU chunks
   LoraShape lora{};            // adapters on a frozen base: frozen linears keep no input, frozen norms less
+  // ZeRO 2-3: the bytes a rank keeps per trained element once that element's bucket is reduced (its part of the
+  // reduced gradient: 4 / N with fp32 masters, else the parameter bytes / N), born block by block during backward;
+  // 0 where the estimate counts the reduced part among the model states.
+  double reduced_bytes_per_element = 0;
 };
 
 struct ActivationTerm {

@@ -47,6 +47,10 @@ EstimateInputs model_state_inputs(const Config& config, int world);
 // The vocabulary of the config's gpt or llama without reading data (the key, the preset's, or byte text's 256),
 // and the shape its activations are estimated from in closed form (ConfigError for other models).
 int64_t config_vocab(const Config& config);
+// ZeRO 2-3 without accumulation's held part: the bytes per trained element of a rank's reduced gradient part (4 / N
+// with fp32 masters, else the parameter bytes / N), which the closed form places in backward; 0 where the model
+// states count it (stages 0-1, a part held across micro-batches, or offloaded to a GPU's host).
+double reduced_part_bytes_per_element(const TrainOptions& train, const DistConfig& dist, int world, bool cuda);
 TransformerShape config_transformer_shape(const Config& config);
 // [lora] as the adapters' options.
 LoraOptions lora_options(const LoraConfig& lora);

@@ -234,7 +234,8 @@ class Trainer {
   // memory of the device), even at the micro-batch train.oom = retry could fall back to, stops here with the terms.
   void check_fits_before_building() const;
   ActivationProbe closed_form_probe(bool keep_grads, int64_t micro_batch) const;  // this run's policy and head
-  ActivationProbe closed_form_probe(bool keep_grads, int64_t micro_batch, const RecomputePolicy& policy, int64_t head_rows) const;
+  ActivationProbe closed_form_probe(bool keep_grads, int64_t micro_batch, const RecomputePolicy& policy, int64_t head_rows,
+                                    double reduced_bytes_per_element) const;
   // Before the probe at micro_batch: says what it measures, and stops with an error naming the free memory
   // when the model's published formula puts its activations above it.
   void check_probe_fits(int64_t micro_batch) const;
