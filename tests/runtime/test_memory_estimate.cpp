@@ -490,6 +490,16 @@ TEST(TargetEstimate, EightBillionParametersOnEightGpusIsAnsweredWithoutBuildingA
   EXPECT_NEAR(static_cast<double>(e2.device.params + e2.device.optimizer_state + e2.device.grads),
               deepspeed2_less_16bit_grads, 1e-3 * deepspeed2_less_16bit_grads);
   EXPECT_EQ(e2.device.buckets_in_flight, static_cast<int64_t>(c2.dist.bucket_mib * (1 << 20)));
+  // ZeRO-1: DeepSpeed's one estimator for stages 1 and 2 assumes the gradients partitioned (2 P + 18 P / N). memtrain's
+  // stage 1 keeps the full bf16 gradient buckets (2 P) beside its part's fp32 reduced gradient (4 P / N), masters and
+  // moments (12 P / N): DeepSpeed's figure plus the unpartitioned 16-bit gradient, 2 P - 2 P / N.
+  auto c1 = c2;
+  c1.dist.zero_stage = 1;
+  const auto e1 = estimate_memory(model_state_inputs(c1, 8));
+  EXPECT_NEAR(static_cast<double>(e1.device.grads), 2.0 * P + 4.0 * P / 8, 1e-3 * 2.0 * P);
+  const double deepspeed1_with_full_16bit_grads = 2.0 * P + 18.0 * P / 8 + 2.0 * P - 2.0 * P / 8;
+  EXPECT_NEAR(static_cast<double>(e1.device.params + e1.device.optimizer_state + e1.device.grads),
+              deepspeed1_with_full_16bit_grads, 1e-3 * deepspeed1_with_full_16bit_grads);
 }
 
 TEST(TargetEstimate, TheRunsOwnEstimateIsInClosedFormForGptAndLlamaAndWithinTenPercent) {
