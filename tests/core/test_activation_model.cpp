@@ -4,6 +4,8 @@
 // tests/runtime/test_memory_estimate.cpp's and docs/benchmarks/estimate_cpu.md's.
 #include <gtest/gtest.h>
 
+#include <string>
+
 #include "memtrain/core/activation_model.h"
 
 namespace memtrain {
@@ -14,6 +16,13 @@ ActivationSettings settings(int64_t micro_batch, bool autocast, bool half_params
   ActivationSettings s;
   s.micro_batch = micro_batch, s.autocast = autocast, s.half_params = half_params, s.cuda = cuda;
   return s;
+}
+
+// The bytes of the peak's term named `name`; -1 when the peak has no such term.
+int64_t term_bytes(const ActivationEstimate& a, const std::string& name) {
+  for (const auto& term : a.terms)
+    if (term.name == name) return term.bytes;
+  return -1;
 }
 
 TransformerShape gpt2_shape() {
@@ -104,16 +113,9 @@ TEST(ActivationModel, RecomputePoliciesOrderThePeakAndAllKeepsOneInputPerBlock) 
   // With all blocks recomputed, the backward's start (GPT-2's logits dwarf a block) holds one fp32 input per block.
   EXPECT_EQ(all.at, "the backward's start (the loss over the logits)");
   const int64_t t = 4 * 1024;
-  bool found = false;
-  for (const auto& term : all.terms) {
-    if (term.name != "blocks' saved tensors") continue;
-    found = true;
-    EXPECT_EQ(term.bytes, 12 * 4 * 768 * t);
-  }
-  EXPECT_TRUE(found);
+  EXPECT_EQ(term_bytes(all, "blocks' saved tensors"), 12 * 4 * 768 * t);
   // The plain head's peak: the log-softmax's fp32 result, the loss gradient and the log-softmax gradient (3 x 4 V).
-  for (const auto& term : none.terms)
-    if (term.name.rfind("logits", 0) == 0) EXPECT_EQ(term.bytes, 12 * 50257 * t);
+  EXPECT_EQ(term_bytes(none, "logits: log-softmax, its gradients (fp32)"), 12 * 50257 * t);
 }
 
 TEST(ActivationModel, TheFusedHeadHoldsOneChunkOfLogits) {
@@ -127,9 +129,7 @@ TEST(ActivationModel, TheFusedHeadHoldsOneChunkOfLogits) {
   const auto p = transformer_activations(g, plain), f = transformer_activations(g, fused);
   EXPECT_LT(f.peak, p.peak);
   // Its chunk: the fp32 logits and logsumexp's temporary of the same size, for 2^27 / V rows (a multiple of 64).
-  for (const auto& term : f.terms)
-    if (term.name == "fused head: a chunk's logits (fp32)")
-      EXPECT_EQ(term.bytes, 8 * fused_head_chunk_rows(50257, true) * 50257);
+  EXPECT_EQ(term_bytes(f, "fused head: a chunk's logits (fp32)"), 8 * fused_head_chunk_rows(50257, true) * 50257);
 }
 
 TEST(ActivationModel, LoraKeepsOnlyWhatItsAdaptersAndTheFrozenBasesInputsNeed) {
