@@ -48,10 +48,8 @@ std::vector<int64_t> LoraShape::block_tensors(const TransformerShape& shape) con
 }
 
 int64_t LoraShape::block_elements(const TransformerShape& shape) const {
-  int64_t n = 0;
-  for (const auto& l : block_linears(shape))
-    if (adapts(l.name)) n += rank * (l.in + l.out);
-  return n;
+  const auto tensors = block_tensors(shape);
+  return std::accumulate(tensors.begin(), tensors.end(), int64_t{0});
 }
 
 namespace {

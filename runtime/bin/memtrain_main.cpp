@@ -335,6 +335,16 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
   }
   a.estimate_only = a.subcommand == "estimate" || a.subcommand == "plan";
   const bool estimate_only = a.estimate_only;
+  // A flag's whole number >= 1 (--ranks, --nproc-per-node, --nnodes); 0 when it is not one.
+  auto whole = [](const std::string& v) {
+    size_t used = 0;
+    int n = 0;
+    try {
+      n = std::stoi(v, &used);
+    } catch (const std::exception&) {
+    }
+    return used == v.size() && n >= 1 ? n : 0;
+  };
   for (int i = a.subcommand.empty() ? 1 : 2; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
@@ -347,12 +357,8 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
     }
     if (estimate_only && (arg == "--ranks" || arg.rfind("--ranks=", 0) == 0)) {
       const std::string v = arg == "--ranks" ? (i + 1 < argc ? argv[++i] : "") : arg.substr(8);
-      size_t used = 0;
-      try {
-        a.estimate_ranks = std::stoi(v, &used);
-      } catch (const std::exception&) {
-      }
-      if (used != v.size() || a.estimate_ranks < 1) {
+      a.estimate_ranks = whole(v);
+      if (a.estimate_ranks == 0) {
         std::cerr << "memtrain: estimate: --ranks '" << v << "' is not a whole number >= 1\n";
         return 2;
       }
@@ -371,13 +377,8 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
         a.plan_out = v;
         continue;
       }
-      size_t used = 0;
-      int n = 0;
-      try {
-        n = std::stoi(v, &used);
-      } catch (const std::exception&) {
-      }
-      if (used != v.size() || n < 1) {
+      const int n = whole(v);
+      if (n == 0) {
         std::cerr << "memtrain: estimate: " << arg << " '" << v << "' is not a whole number >= 1\n";
         return 2;
       }

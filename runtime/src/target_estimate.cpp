@@ -38,7 +38,9 @@ std::vector<DeviceTerm> device_terms(const Target& t, int world, const Activatio
   return terms;
 }
 
-ActivationSettings settings_of(const Config& config, bool cuda, bool keep_grads, int64_t micro_batch, int world) {
+}  // namespace
+
+ActivationSettings activation_settings(const Config& config, bool cuda, bool keep_grads, int64_t micro_batch, int world) {
   ActivationSettings s;
   s.reduced_bytes_per_element = reduced_part_bytes_per_element(config.train, config.dist, world, cuda);
   s.micro_batch = micro_batch;
@@ -54,7 +56,14 @@ ActivationSettings settings_of(const Config& config, bool cuda, bool keep_grads,
   return s;
 }
 
-}  // namespace
+ActivationProbe as_probe(const ActivationEstimate& a, int64_t micro_batch, bool keep_grads) {
+  ActivationProbe p;
+  p.micro_batch[0] = p.micro_batch[1] = micro_batch;
+  p.bytes[0] = p.bytes[1] = a.peak;
+  p.grads_included = keep_grads;
+  p.closed_form = a.at;
+  return p;
+}
 
 int64_t TargetEstimate::device_peak() const {
   int64_t extra = 0;
@@ -71,13 +80,8 @@ TargetEstimate estimate_for_target(const Config& config, const Target& target, i
   const bool sharded = world > 1 || config.dist.offload_optimizer == "cpu";
   const auto mb = config.train.micro_batch;
   auto probe = [&](bool keep) {
-    const auto a = transformer_activations(shape, settings_of(config, target.cuda, keep, mb, world));
-    ActivationProbe p;
-    p.micro_batch[0] = p.micro_batch[1] = mb;
-    p.bytes[0] = p.bytes[1] = a.peak;
-    p.grads_included = keep;
-    p.closed_form = a.at;
-    return std::make_pair(p, a);
+    const auto a = transformer_activations(shape, activation_settings(config, target.cuda, keep, mb, world));
+    return std::make_pair(as_probe(a, mb, keep), a);
   };
   MEMTRAIN_CHECK(RecomputePolicy::parse(config.memory.recompute).mode != RecomputePolicy::Mode::kBudget, ConfigError,
                  "[estimate] memory.recompute = ", config.memory.recompute, " is resolved by measuring on the machine "

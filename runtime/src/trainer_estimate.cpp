@@ -441,24 +441,10 @@ ActivationProbe Trainer::closed_form_probe(bool keep_grads, int64_t micro_batch)
 
 ActivationProbe Trainer::closed_form_probe(bool keep_grads, int64_t micro_batch, const RecomputePolicy& policy,
                                            int64_t head_rows, double reduced_bytes_per_element) const {
-  ActivationSettings s;
-  s.micro_batch = micro_batch;
-  s.half_params = param_dtype_ != torch::kFloat;
-  s.autocast = precision_ != Precision::kFp32 && !s.half_params;
-  s.policy = policy;
-  s.head_rows = head_rows;
-  s.keep_grads = keep_grads;
-  s.cuda = device_.is_cuda();
-  s.reduced_bytes_per_element = reduced_bytes_per_element;
-  if (config_.lora.rank > 0)
-    s.lora = {.rank = config_.lora.rank, .dropout = config_.lora.dropout, .targets = lora_targets(config_.lora)};
-  const auto a = transformer_activations(*model_->transformer_shape(), s);
-  ActivationProbe p;
-  p.micro_batch[0] = p.micro_batch[1] = micro_batch;
-  p.bytes[0] = p.bytes[1] = a.peak;
-  p.grads_included = keep_grads;
-  p.closed_form = a.at;
-  return p;
+  // The config's precision, parameter dtype and LoRA; the policy (a resolved budget), head and reduced parts asked for.
+  auto s = activation_settings(config_, device_.is_cuda(), keep_grads, micro_batch, world_.world_size);
+  s.policy = policy, s.head_rows = head_rows, s.reduced_bytes_per_element = reduced_bytes_per_element;
+  return as_probe(transformer_activations(*model_->transformer_shape(), s), micro_batch, keep_grads);
 }
 
 void Trainer::check_fits_before_building() const {

@@ -37,6 +37,12 @@ struct TargetEstimate {
   std::string table() const;
 };
 
+// The closed form's settings for the config as it stands: its precision and parameter dtype, memory.recompute (with
+// memory.offload) and memory.head, LoRA, and ZeRO 2-3's reduced parts for `world` ranks, at `micro_batch`.
+ActivationSettings activation_settings(const Config& config, bool cuda, bool keep_grads, int64_t micro_batch, int world);
+// A closed-form estimate in the probe's form (one point, at its micro-batch) for estimate_memory.
+ActivationProbe as_probe(const ActivationEstimate& a, int64_t micro_batch, bool keep_grads);
+
 // The config as it stands (its stage, recompute, head, micro-batch, offload, optimizer) on `world` ranks of the
 // target. ConfigError for models without a closed form, [lora] and train.freeze.
 TargetEstimate estimate_for_target(const Config& config, const Target& target, int world);
