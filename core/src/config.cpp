@@ -244,6 +244,12 @@ std::vector<Entry> entries(Config& c) {
             choices::join(choices::on_nonfinite) + " (a non-finite loss or gradient norm without fp16: skip the update, "
             "or stop the run; fp16's loss scaler skips such steps itself)", one_of(choices::on_nonfinite)),
       entry("train.max_nonfinite", &t.max_nonfinite, "consecutive skipped non-finite steps before the run stops", at_least<int64_t>(1)),
+      entry("train.host_reads", &t.host_reads,
+            choices::join(choices::host_reads) + " (when the host reads a step's found-inf and stop flags: each_step at "
+            "its end, one host sync per step; deferred: the fused AdamW skips a non-finite update on the device and "
+            "the host reads the flags once the next step's forward and backward are queued, at once on log, "
+            "evaluation, save and last steps; auto: deferred on CUDA with train.optimizer = adamw and no "
+            "dist.offload_optimizer, each_step otherwise)", one_of(choices::host_reads)),
       entry("train.freeze", &t.freeze, "a regular expression (ECMAScript, matching the whole name) of parameters that do not train: no gradient, optimizer state or master copy (names as --print-parameters lists them: Hugging Face's for imported models); empty = none", parses_with(check_regex)),
       entry("memory.track", &mem.track, "record per-step peak memory"),
       entry("memory.recompute", &mem.recompute, "activation recomputation (checkpointing): none | all | every:K | attn | mlp | budget:MiB", parses_with([](const std::string& v) { RecomputePolicy::parse(v); })),

@@ -426,12 +426,15 @@ void DataParallel::end_micro_batch() {
   release_all();
 }
 
-torch::Tensor DataParallel::clip_grad_norm(double max_norm) {
+torch::Tensor DataParallel::clip_grad_norm(double max_norm, bool host_waits) {
   std::vector<torch::Tensor> grads;
   for (const auto& b : buckets_) grads.push_back(b->reduced);
   auto norms = torch::_foreach_norm(grads, 2);
   auto sq = torch::stack(norms).to(device_, torch::kFloat).pow(2).sum();  // offload: the sum goes up to the device
-  if (options_.stage > 0) group_->all_reduce_sum(sq);  // stage 0: every rank holds the whole gradient
+  if (options_.stage > 0) {  // stage 0: every rank holds the whole gradient
+    auto sum = group_->all_reduce_sum_async(sq);
+    host_waits ? sum.wait_for_host() : sum.wait();
+  }
   auto total = sq.sqrt();
   if (max_norm > 0) {
     auto coef = torch::clamp_max(max_norm / (total + 1e-6), 1.0);  // no host read (but offload's own copy down)
@@ -470,7 +473,10 @@ void DataParallel::group_broadcast(torch::Tensor& t, int root) {
   outside_the_step([&](ProcessGroup& g) { g.broadcast(t, root); });
 }
 
-void DataParallel::all_reduce_found_inf(torch::Tensor& found_inf) { group_->all_reduce_max(found_inf); }
+void DataParallel::all_reduce_found_inf(torch::Tensor& found_inf, bool host_waits) {
+  auto max = group_->all_reduce_max_async(found_inf);
+  host_waits ? max.wait_for_host() : max.wait();
+}
 
 void DataParallel::after_optimizer_step(const StepBucket& step_bucket) {
   torch::NoGradGuard no_grad;

@@ -72,6 +72,12 @@ void PendingCollective::wait_for_host() {
   report();
 }
 
+void PendingCollective::order_stream() {
+  // WorkNCCL::synchronize() makes the current stream wait on the collective's end event; it returns at once
+  // (without TORCH_NCCL_BLOCKING_WAIT). Gloo's would block, and Gloo needs no stream order.
+  if (work_ && host_timeout_.count() != 0) work_->synchronize();
+}
+
 void PendingCollective::report() {
   if (observer_ && *observer_) {
     const auto now = std::chrono::steady_clock::now();
@@ -175,12 +181,12 @@ PendingCollective ProcessGroup::all_reduce_sum_async(at::Tensor& tensor) {
   return start(backend_->allreduce(ts, o), "all-reduce", tensor.numel() * tensor.element_size());
 }
 
-void ProcessGroup::all_reduce_max(at::Tensor& tensor) {
+PendingCollective ProcessGroup::all_reduce_max_async(at::Tensor& tensor) {
   std::vector<at::Tensor> ts{tensor};
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp::MAX;
   o.timeout = timeout_;
-  start(backend_->allreduce(ts, o), "all-reduce (max)", tensor.numel() * tensor.element_size()).wait_for_host();
+  return start(backend_->allreduce(ts, o), "all-reduce (max)", tensor.numel() * tensor.element_size());
 }
 
 PendingCollective ProcessGroup::reduce_scatter_sum_async(at::Tensor& output, at::Tensor& input) {

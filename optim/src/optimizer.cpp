@@ -128,8 +128,13 @@ void FusedAdamW::update(const std::set<const void*>* only) {
     torch::_foreach_add_(c.steps, 1);  // the kernel expects the count of this step, as torch.optim does
     const auto& o = *c.options;
     const auto& [beta1, beta2] = o.betas();
+    std::optional<torch::Tensor> found;
+    if (found_inf_.defined()) found = found_inf_.device() == c.params.front().device() ? found_inf_ : found_inf_.to(c.params.front().device());
     at::_fused_adamw_(c.params, c.grads, c.exp_avgs, c.exp_avg_sqs, /*max_exp_avg_sqs=*/{}, c.steps, o.lr(), beta1,
-                      beta2, o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false);
+                      beta2, o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt,
+                      found);
+    // A skipped update counts no step (torch.optim's fused Adam subtracts found_inf the same way).
+    if (found) torch::_foreach_sub_(c.steps, std::vector<torch::Tensor>(c.steps.size(), *found));
   }
 }
 
@@ -163,7 +168,11 @@ std::map<std::string, torch::Tensor> get_param_state(const torch::optim::Optimiz
   if (auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(it->second.get())) {
     out["exp_avg"] = s->exp_avg();
     out["exp_avg_sq"] = s->exp_avg_sq();
-    out["step"] = torch::tensor(s->step(), torch::kLong);
+    // The fused kernel's count is the truth: an update skipped on the device (skip_when) took its step back
+    // there, not in the host's count.
+    auto* fused = dynamic_cast<const FusedAdamW*>(&optimizer);
+    auto count = fused ? fused->step_count(param) : torch::Tensor();
+    out["step"] = count.defined() ? count.to(torch::kCPU, torch::kLong) : torch::tensor(s->step(), torch::kLong);
   } else if (auto* m = dynamic_cast<const torch::optim::SGDParamState*>(it->second.get())) {
     if (m->momentum_buffer().defined()) out["momentum_buffer"] = m->momentum_buffer();
   } else if (auto* l = dynamic_cast<const LowBitAdamWParamState*>(it->second.get())) {

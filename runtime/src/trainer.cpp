@@ -24,6 +24,7 @@
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/fused_loss.h"
 #include "memtrain/runtime/run_report.h"
+#include "step_flags.h"
 #include "stop_signals.h"
 
 namespace memtrain {
@@ -143,14 +144,21 @@ void Trainer::move_grads_to_masters() {
   if (master_.empty()) return;
   torch::NoGradGuard no_grad;
   const bool mark = device_.is_cpu() && cpu_memory::installed();
+  // A step's first micro-batch makes each fp32 gradient (one cast per parameter); later ones add theirs in one
+  // multi-tensor launch per call, not a kernel per parameter.
+  std::vector<torch::Tensor> sums, adds;
   for (size_t i = 0; i < master_.size(); ++i) {
     auto& g = params_[i].mutable_grad();
     if (!g.defined()) continue;
-    if (master_[i].grad().defined()) master_[i].mutable_grad().add_(g);
-    else master_[i].mutable_grad() = g.to(torch::kFloat);
-    if (mark) cpu_memory::mark(master_[i].grad().storage().data(), cpu_memory::Kind::kGradient);
-    g.reset();  // the bf16 gradient is freed: the next micro-batch starts from zero
+    if (master_[i].grad().defined()) {
+      sums.push_back(master_[i].grad()), adds.push_back(g);
+    } else {
+      master_[i].mutable_grad() = g.to(torch::kFloat);
+      if (mark) cpu_memory::mark(master_[i].grad().storage().data(), cpu_memory::Kind::kGradient);
+    }
   }
+  if (!sums.empty()) torch::_foreach_add_(sums, adds);  // fp32 += bf16, as add_ does
+  for (auto& p : params_) p.mutable_grad().reset();  // the bf16 gradients are freed: the next micro-batch starts from zero
 }
 
 Batch Trainer::to_device(Batch b) const {
@@ -182,7 +190,12 @@ void Trainer::resolve_budget_policy() {
   policy_.blocks.assign(flags.begin(), flags.end());
 }
 
-StepResult Trainer::step() {
+Trainer::~Trainer() = default;
+
+StepResult Trainer::step() { return run_step(/*read_flags_now=*/true); }
+
+StepResult Trainer::run_step(bool read_flags_now) {
+  read_now_ = read_flags_now || !defer_reads_;
   for (;;) {
     try {
       return attempt_step();
@@ -249,6 +262,9 @@ StepResult Trainer::attempt_step() {
                      static_cast<uint64_t>(world_.rank) * 0x9E3779B97F4A7C15ull);
   // 1-2. Micro-batches (forward, backward; several ranks: the buckets reduced as they fill).
   const auto loss_sum = run_micro_batches();
+  // Deferred reads: the last step's flags, now that this step's forward and backward are queued (on a GPU
+  // they have long landed). A non-finite stop is raised here, before this step updates anything.
+  if (defer_reads_) read_step_flags(nullptr);
   tracker_->before_optimizer();
   // 3-4. Unscale (fp16), clip, skip a non-finite step; the optimizer step.
   clip_and_update(r, loss_sum);
@@ -301,9 +317,10 @@ void Trainer::clip_and_update(StepResult& r, const torch::Tensor& loss_sum) {
   const auto stepped = dp_ ? dp_->stepped_tensors() : (master_.empty() ? params_ : master_);
   if (scaler_) {
     scaler_->unscale(stepped);
-    if (dp_) dp_->all_reduce_found_inf(scaler_->found_inf());  // every rank skips, or none
+    if (dp_) dp_->all_reduce_found_inf(scaler_->found_inf(), /*host_waits=*/!defer_reads_);  // every rank skips, or none
   }
-  r.grad_norm = dp_ ? dp_->clip_grad_norm(t.grad_clip) : clip_grad_norm(stepped, t.grad_clip);
+  r.grad_norm = dp_ ? dp_->clip_grad_norm(t.grad_clip, /*host_waits=*/!defer_reads_) : clip_grad_norm(stepped, t.grad_clip);
+  if (defer_reads_) return update_deciding_on_device(r, loss_sum);
   // Without fp16's scaler, an inf/NaN is found here (one host read per step): the update is skipped.
   // Several ranks decide on the global norm, which every rank holds, so they skip together.
   if (!scaler_) {
@@ -315,19 +332,8 @@ void Trainer::clip_and_update(StepResult& r, const torch::Tensor& loss_sum) {
   bool updated_in_place = false;  // offload: the update ran with the copies back, bucket by bucket
   if (r.nonfinite) {
     r.applied = false;
-    ++nonfinite_run_;
-    const bool stop = t.on_nonfinite == "stop" || nonfinite_run_ >= t.max_nonfinite;
-    std::ostringstream what;
-    what << "step " << step_ + 1 << ": non-finite " << (dp_ ? "" : "loss " + std::to_string(loss_sum.item<double>()) + " or ")
-         << "gradient norm " << r.grad_norm.item<double>();
-    MEMTRAIN_CHECK(!stop, Error, "[train] ", what.str(), "; stopping (",
-                   t.on_nonfinite == "stop" ? std::string("train.on_nonfinite = stop")
-                                            : std::to_string(nonfinite_run_) + " consecutive such steps, train.max_nonfinite = " +
-                                                  std::to_string(t.max_nonfinite),
-                   "). The parameters are those after step ", step_, "; lower train.lr or check the data");
-    if (world_.is_main())
-      std::cerr << "memtrain: warning: " << what.str() << ": update skipped (" << nonfinite_run_ << " in a row; the run "
-                << "stops at " << t.max_nonfinite << ")\n";
+    on_nonfinite_step(step_ + 1, std::string(dp_ ? "" : "loss " + std::to_string(loss_sum.item<double>()) + " or ") +
+                                     "gradient norm " + std::to_string(r.grad_norm.item<double>()));
   } else if (scaler_) {
     nonfinite_run_ = 0;
     in_optimizer_ = true;
@@ -352,6 +358,64 @@ void Trainer::clip_and_update(StepResult& r, const torch::Tensor& loss_sum) {
     torch::_foreach_copy_(params_, master_);  // fp32 -> bf16, rounded once per step
   }
   if (dp_ && r.applied && !updated_in_place) dp_->after_optimizer_step();  // masters -> parameters, parts all-gathered
+}
+
+void Trainer::on_nonfinite_step(int64_t step, const std::string& what) {
+  const auto& t = config_.train;
+  ++nonfinite_run_;
+  const bool stop = t.on_nonfinite == "stop" || nonfinite_run_ >= t.max_nonfinite;
+  MEMTRAIN_CHECK(!stop, Error, "[train] step ", step, ": non-finite ", what, "; stopping (",
+                 t.on_nonfinite == "stop" ? std::string("train.on_nonfinite = stop")
+                                          : std::to_string(nonfinite_run_) + " consecutive such steps, train.max_nonfinite = " +
+                                                std::to_string(t.max_nonfinite),
+                 "). The parameters are those after step ", step - 1, " (step ", step, "'s update was skipped",
+                 step_ + 1 > step ? "; step " + std::to_string(step_ + 1) + " was stopped before its update" : std::string(),
+                 "); lower train.lr or check the data");
+  if (world_.is_main())
+    std::cerr << "memtrain: warning: step " << step << ": non-finite " << what << ": update skipped (" << nonfinite_run_
+              << " in a row; the run stops at " << t.max_nonfinite << ")\n";
+}
+
+void Trainer::update_deciding_on_device(StepResult& r, const torch::Tensor& loss_sum) {
+  // 4. train.host_reads = deferred: whether the update happens is decided on the device. The fused AdamW reads
+  //    found-inf itself (fp16: the scaler's, MAX over ranks; else a non-finite gradient norm, which is global, or
+  //    loss) and leaves parameters, moments and counts as they were; the copies to bf16 parameters and the
+  //    gathers of stages 1-2 then move what did not change. The host learns of it a step later.
+  auto found = scaler_ ? scaler_->found_inf()
+                       : (dp_ ? torch::isfinite(r.grad_norm) : torch::isfinite(r.grad_norm).logical_and(torch::isfinite(loss_sum)))
+                             .logical_not()
+                             .to(torch::kFloat);
+  auto& fused = static_cast<FusedAdamW&>(*optimizer_);  // setup checked that it is one
+  fused.skip_when(found);
+  in_optimizer_ = true;
+  optimizer_->step();
+  in_optimizer_ = false;
+  fused.skip_when({});
+  if (scaler_) scaler_->update();
+  if (!master_.empty()) {
+    torch::NoGradGuard no_grad;
+    torch::_foreach_copy_(params_, master_);  // fp32 -> bf16; unchanged masters give the same parameters
+  }
+  if (dp_) dp_->after_optimizer_step();
+  const float stop = detail::StopSignals::received() != 0 ? 1.0f : 0.0f;  // this rank's, sampled at the same step on every rank
+  auto flags = torch::stack({found.reshape({}), torch::full({}, stop, found.options()), r.grad_norm.to(torch::kFloat).reshape({}),
+                             loss_sum.to(torch::kFloat).reshape({})});
+  flags_->record(step_ + 1, flags, dp_ ? group_.get() : nullptr);
+  if (read_now_) read_step_flags(&r);
+}
+
+void Trainer::read_step_flags(StepResult* r) {
+  const auto v = flags_->take();
+  if (!v) return;
+  if (v->stop) stop_seen_ = true;
+  const bool nonfinite = v->found_inf && !scaler_;
+  if (r) r->applied = !v->found_inf, r->nonfinite = nonfinite;
+  if (!nonfinite) {
+    nonfinite_run_ = 0;  // a finite step, or fp16's scaler skipping one (which it counts itself)
+    return;
+  }
+  on_nonfinite_step(v->step, std::string(dp_ ? "" : "loss " + std::to_string(v->loss) + " or ") + "gradient norm " +
+                                 std::to_string(v->grad_norm));
 }
 
 void Trainer::sync_buffers() {
@@ -441,8 +505,14 @@ void Trainer::fit() {
   const detail::StopSignals signals;  // SIGTERM / SIGINT: save after this step and return
   RunReport report(*this);
   const int64_t first = step_;
+  const auto& lg = config_.log;
   while (step_ < t.steps) {
-    const auto r = step();
+    // Deferred reads: a step whose flags the loop needs at once (logged, evaluated, saved, the last) reads them at
+    // its end; the others' are read during the next step.
+    const int64_t n = step_ + 1;
+    const bool read_now = n == 1 || n == t.steps || n % lg.every == 0 || (t.eval_every > 0 && n % t.eval_every == 0) ||
+                          (ck.every > 0 && n % ck.every == 0);
+    const auto r = run_step(read_now);
     // memory.budget_mib: the plan against the first steady step's peak (the optimizer state exists from the
     // first step on); several ranks decide on their mean peak, so that they change together.
     if (!plan_candidates_.empty() && step_ == first + 2) correct_plan(static_cast<int64_t>(agreement().mean(static_cast<double>(last_peak()))));
@@ -451,7 +521,7 @@ void Trainer::fit() {
     if (t.eval_every > 0 && step_ % t.eval_every == 0 && !last) report.evaluation(validate());
     // The last step's save is the final one (finish) unless save_final is off.
     if (ck.every > 0 && step_ % ck.every == 0 && (!last || !ck.save_final)) save_reported(report);
-    if (stop_requested()) {  // every rank: a collective
+    if (defer_reads_ ? stop_seen_ : stop_requested()) {  // every rank: a collective, or the flags read
       const auto where = last_saved_step_ == step_ ? checkpoint_folder(ckpt_dir_, step_) : save_reported(report);
       stopped_by_signal_ = true;
       report.stopped(where);

@@ -14,6 +14,7 @@
 #include "memtrain/runtime/device.h"
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/trainer.h"
+#include "step_flags.h"
 
 namespace memtrain {
 
@@ -220,6 +221,16 @@ void Trainer::setup_data_parallel() {
 void Trainer::setup_schedule_and_scaler() {
   schedule_ = std::make_unique<CosineSchedule>(schedule_options(config_.train));
   if (precision_ == Precision::kFp16) scaler_ = std::make_unique<GradScaler>(scaler_options(config_.train), device_);
+  // train.host_reads: deferring needs an update the device can skip by itself (the fused AdamW's found_inf);
+  // LibTorch's AdamW and SGD, the low-bit loop and the offloaded update decide on the host.
+  const auto& reads = config_.train.host_reads;
+  const bool device_skips = dynamic_cast<FusedAdamW*>(optimizer_.get()) != nullptr && !(dp_ && dp_->offload());
+  MEMTRAIN_CHECK(reads != "deferred" || device_skips, ConfigError,
+                 "[config] train.host_reads = deferred needs an update the device can skip by itself: train.optimizer = "
+                 "adamw (the fused one) without dist.offload_optimizer; train.optimizer = ", config_.train.optimizer,
+                 dp_ && dp_->offload() ? " with dist.offload_optimizer = cpu" : "", " decides on the host (use each_step or auto)");
+  defer_reads_ = reads == "deferred" || (reads == "auto" && device_.is_cuda() && device_skips);
+  flags_ = std::make_unique<detail::StepFlags>();
 }
 
 void Trainer::setup_tracker() {

@@ -361,6 +361,9 @@ TEST(DataParallel, RandomUnevenJobsAtEveryStageAlwaysFinish) {
     const int ranks = 2 + pick(2), stage = pick(4), accum = 1 + pick(2), eval_every = 1 + pick(3);
     const int tail = 33 + pick(32 * 7);  // held-out bytes: 0 to 6 windows of 32 + 1
     const bool blow_up = pick(4) == 0;
+    // Half the jobs read the step flags deferred (log steps apart), skipping on the device; their blow-ups come
+    // from the fused AdamW, which is what can skip there.
+    const bool deferred = pick(2) == 0;
     const std::string args = " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
                              " --model.n_layer=2 --model.n_head=2 --model.n_embd=32 --model.block_size=32"
                              " --train.steps=4 --train.micro_batch=2 --train.accum_steps=" + std::to_string(accum) +
@@ -368,7 +371,10 @@ TEST(DataParallel, RandomUnevenJobsAtEveryStageAlwaysFinish) {
                              " --data.val_fraction=" + std::to_string((tail + 0.5) / corpus) +
                              " --dist.zero_stage=" + std::to_string(stage) + " --dist.timeout_s=30"
                              " --train.max_nonfinite=2 --log.progress=lines --checkpoint.save_final=false" +
-                             (blow_up ? " --train.optimizer=sgd --train.lr=1e12 --train.grad_clip=0" : "") +
+                             (blow_up ? std::string(deferred ? " --train.lr=1e12" : " --train.optimizer=sgd --train.lr=1e12") +
+                                            " --train.grad_clip=0"
+                                      : "") +
+                             (deferred ? " --train.host_reads=deferred --log.every=3" : "") +
                              " --log.dir=" + test::run_root() + " --log.overwrite=true --log.name=fuzz" + std::to_string(job);
     SCOPED_TRACE("job " + std::to_string(job) + ":" + args);
     int code = -1;
@@ -382,6 +388,31 @@ TEST(DataParallel, RandomUnevenJobsAtEveryStageAlwaysFinish) {
     if (code != 0) {
       EXPECT_NE(out.find("train.max_nonfinite = 2"), std::string::npos) << out;
     }
+  }
+}
+
+TEST(DataParallel, DeferredHostReadsTrainBitwiseAsEachStep) {
+  // train.host_reads = deferred: the clip norm's and found-inf's all-reduces are not waited for on the host, the
+  // update's skip is decided on the device, and the flags are all-reduced (MAX) and read a step later. Logged
+  // every 3 steps, steps 2, 4 and 5 are read during the next one. The same training bit for bit, at stages 1
+  // (bf16 parameters with masters) and 3.
+  for (const auto& stage : {std::vector<std::string>{"--dist.zero_stage=1", "--train.param_dtype=bf16",
+                                                                       "--train.precision=bf16"},
+                                               std::vector<std::string>{"--dist.zero_stage=3"}}) {
+    auto each = stage, deferred = stage;
+    for (auto* v : {&each, &deferred})
+      v->insert(v->end(), {"--train.steps=6", "--log.every=3", "--checkpoint.save_final=true"});
+    each.push_back("--train.host_reads=each_step");
+    deferred.push_back("--train.host_reads=deferred");
+    const auto a = train(2, 8, each), b = train(2, 8, deferred);
+    ASSERT_EQ(a.code, 0) << a.output;
+    ASSERT_EQ(b.code, 0) << b.output;
+    ASSERT_EQ(a.losses.size(), 3u) << a.output;  // steps 1, 3, 6
+    EXPECT_EQ(a.losses, b.losses);
+    EXPECT_EQ(a.grad_norms, b.grad_norms);
+    ASSERT_FALSE(a.weights.empty());
+    ASSERT_EQ(a.weights.size(), b.weights.size());
+    for (const auto& [name, t] : a.weights) EXPECT_TRUE(torch::equal(t, b.weights.at(name))) << name;
   }
 }
 
@@ -609,6 +640,8 @@ TEST(DataParallel, SigtermToTheLauncherSavesEveryRanksPartAndExitsZero) {
                              " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
                              " --model.n_layer=2 --model.n_embd=32 --model.n_head=2 --model.block_size=32"
                              " --dist.zero_stage=1 --train.steps=100000 --log.progress=lines --log.dir=" + dir.string() +
+                             // The stop request travels in the deferred step flags (MAX over ranks, read a step later).
+                             " --train.host_reads=deferred --log.every=7" +
                              " > " + dir.string() + ".log 2>&1 & L=$!; " +
                              test::wait_for_line(dir.string() + ".log", "^\\[rank 0\\] run folder:", 60) +
                              "; sleep 2; kids=$(pgrep -P $L); kill -TERM $L; " + test::wait_at_most("$L", 120) + "; "

@@ -2,6 +2,7 @@
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
 
+#include <limits>
 #include <numbers>
 
 #include "helpers.h"
@@ -93,6 +94,35 @@ TEST(FusedAdamW, SteppingInPartsEqualsOneStepBitwise) {
     for (size_t i = 0; i < whole.size(); ++i) EXPECT_TRUE(torch::equal(whole[i], parts[i])) << "step " << step << ", tensor " << i;
   }
   EXPECT_TRUE(torch::equal(a.step_count(whole[0]), b.step_count(parts[0])));
+}
+
+// train.host_reads = deferred: a step whose found_inf is 1 leaves parameters, moments and the saved step count
+// as they were, so a run that skipped step 2 on the device equals one that never called step() for it.
+TEST(FusedAdamW, AStepSkippedOnTheDeviceIsAsIfNotTaken) {
+  torch::manual_seed(5);
+  std::vector<torch::Tensor> skipping = {torch::randn({6, 4}), torch::randn({4})}, plain = {torch::randn({6, 4}), torch::randn({4})};
+  for (size_t i = 0; i < plain.size(); ++i) plain[i].data().copy_(skipping[i].data()), plain[i].requires_grad_(), skipping[i].requires_grad_();
+  auto options = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+  FusedAdamW a({torch::optim::OptimizerParamGroup(skipping)}, options), b({torch::optim::OptimizerParamGroup(plain)}, options);
+  for (int step = 0; step < 4; ++step) {
+    const bool bad = step == 1;
+    for (size_t i = 0; i < plain.size(); ++i) {
+      auto g = torch::randn(plain[i].sizes());
+      skipping[i].mutable_grad() = bad ? torch::full_like(g, std::numeric_limits<float>::quiet_NaN()) : g.clone();
+      plain[i].mutable_grad() = g.clone();
+    }
+    a.skip_when(torch::full({}, bad ? 1.0f : 0.0f));
+    a.step();
+    if (!bad) b.step();
+    for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(torch::equal(skipping[i], plain[i])) << "step " << step << ", tensor " << i;
+  }
+  for (size_t i = 0; i < plain.size(); ++i) {
+    const auto sa = get_param_state(a, skipping[i]), sb = get_param_state(b, plain[i]);
+    EXPECT_TRUE(torch::equal(sa.at("exp_avg"), sb.at("exp_avg")));
+    EXPECT_TRUE(torch::equal(sa.at("exp_avg_sq"), sb.at("exp_avg_sq")));
+    EXPECT_EQ(sa.at("step").item<int64_t>(), 3);  // four calls, one skipped
+    EXPECT_EQ(sb.at("step").item<int64_t>(), 3);
+  }
 }
 
 }  // namespace

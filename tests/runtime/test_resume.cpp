@@ -417,5 +417,71 @@ TEST(NonFinite, StopNowOrAfterKConsecutive) {
   EXPECT_NE(e.find("3 consecutive such steps, train.max_nonfinite = 3"), std::string::npos) << e;
 }
 
+// train.host_reads = deferred through fit(): the fused AdamW skips a non-finite update on the device and the host
+// reads the step's flags during the next step (at once on log and last steps). What trains, what is skipped and
+// where a run stops must be what each_step gives; only the stop comes one step's forward and backward later.
+struct FitResult {
+  std::vector<torch::Tensor> parameters;
+  std::string error;
+};
+
+FitResult fit_with(const std::string& host_reads, std::set<int> nan_calls, int64_t max_nonfinite = 5,
+                   const std::string& on_nonfinite = "skip") {
+  torch::manual_seed(7);  // the same initial weights in each run
+  NanModel m(std::move(nan_calls));
+  auto c = regression_config();
+  c.train.steps = 6;
+  c.log.every = 10;  // read at once: steps 1 and 6 only (the last); 2 to 5 are read during the next step
+  c.log.name = "deferred_" + host_reads;
+  c.checkpoint.save_final = false;
+  c.train.max_nonfinite = max_nonfinite;
+  c.train.on_nonfinite = on_nonfinite;
+  c.train.host_reads = host_reads;
+  FitResult out;
+  Trainer t(c, m.model, regression_data());
+  out.error = test::error_of([&] { t.fit(); });
+  for (const auto& p : t.parameters()) out.parameters.push_back(p.detach().clone());
+  return out;
+}
+
+void expect_same_parameters(const FitResult& a, const FitResult& b) {
+  ASSERT_EQ(a.parameters.size(), b.parameters.size());
+  for (size_t i = 0; i < a.parameters.size(); ++i) EXPECT_TRUE(torch::equal(a.parameters[i], b.parameters[i])) << i;
+}
+
+TEST(NonFinite, DeferredReadsSkipOnTheDeviceAndStopWhereEachStepDoes) {
+  // Steps 2 and 4 are NaN and skipped; the others train: the same parameters bit for bit.
+  const auto each = fit_with("each_step", {1, 3}), deferred = fit_with("deferred", {1, 3});
+  EXPECT_EQ(each.error, "<no exception>");
+  EXPECT_EQ(deferred.error, "<no exception>");
+  expect_same_parameters(each, deferred);
+  // The skip happened (a run that applied the NaN step would hold NaN parameters).
+  for (const auto& p : deferred.parameters) EXPECT_TRUE(torch::isfinite(p).all().item<bool>());
+
+  // Steps 2 to 6 NaN, max_nonfinite = 3: each_step stops in step 4; deferred reads step 4's flags during step 5
+  // and stops there, before step 5's update. The parameters are those after step 1 in both.
+  const auto each_stop = fit_with("each_step", {1, 2, 3, 4, 5}, 3), deferred_stop = fit_with("deferred", {1, 2, 3, 4, 5}, 3);
+  EXPECT_NE(each_stop.error.find("[train] step 4: non-finite"), std::string::npos) << each_stop.error;
+  EXPECT_NE(deferred_stop.error.find("[train] step 4: non-finite"), std::string::npos) << deferred_stop.error;
+  EXPECT_NE(deferred_stop.error.find("3 consecutive such steps, train.max_nonfinite = 3"), std::string::npos) << deferred_stop.error;
+  EXPECT_NE(deferred_stop.error.find("step 5 was stopped before its update"), std::string::npos) << deferred_stop.error;
+  expect_same_parameters(each_stop, deferred_stop);
+
+  // train.on_nonfinite = stop: step 2 named in both, nothing after step 1 applied.
+  const auto each_now = fit_with("each_step", {1}, 5, "stop"), deferred_now = fit_with("deferred", {1}, 5, "stop");
+  EXPECT_NE(deferred_now.error.find("[train] step 2: non-finite loss"), std::string::npos) << deferred_now.error;
+  EXPECT_NE(deferred_now.error.find("train.on_nonfinite = stop"), std::string::npos) << deferred_now.error;
+  expect_same_parameters(each_now, deferred_now);
+}
+
+TEST(NonFinite, DeferredReadsNeedAnUpdateTheDeviceCanSkip) {
+  auto c = regression_config();
+  c.train.host_reads = "deferred";
+  c.train.optimizer = "sgd";
+  const auto e = test::error_of([&] { Trainer t(c); });
+  EXPECT_NE(e.find("train.host_reads = deferred needs an update the device can skip by itself"), std::string::npos) << e;
+  EXPECT_NE(e.find("train.optimizer = sgd decides on the host"), std::string::npos) << e;
+}
+
 }  // namespace
 }  // namespace memtrain

@@ -44,6 +44,7 @@ inline constexpr std::array<std::string_view, 3> progress{"auto", "bar", "lines"
 inline constexpr std::array<std::string_view, 2> oom{"retry", "fail"};
 inline constexpr std::array<std::string_view, 2> token_format{"llmc", "raw"};
 inline constexpr std::array<std::string_view, 2> on_nonfinite{"skip", "stop"};
+inline constexpr std::array<std::string_view, 3> host_reads{"auto", "each_step", "deferred"};
 
 // "a | b | c", for messages and help.
 template <size_t N>
@@ -131,6 +132,9 @@ struct TrainOptions {
   // A non-finite loss or gradient norm without fp16's scaler: skip the update, or stop the run.
   std::string on_nonfinite = "skip";  // skip | stop
   int64_t max_nonfinite = 5;       // consecutive skipped steps before the run stops anyway
+  // When the host reads a step's found-inf and stop flags: at its end (one host sync per step), or deferred
+  // to the next step once its forward and backward are queued (the update is skipped on the device).
+  std::string host_reads = "auto";  // auto (deferred on CUDA with the fused AdamW) | each_step | deferred
   // Parameters whose name matches this regular expression (ECMAScript, the whole name) do not train: no
   // gradient, optimizer state or master copy. "" = none.
   std::string freeze = "";

@@ -126,9 +126,11 @@ class DataParallel {
   void end_micro_batch();                      // after it: every bucket reduced, waited for
   // Scales the reduced gradients so that their global L2 norm is at most max_norm (0: no clipping);
   // returns the norm before clipping (a device tensor; stages 1 and 2 all-reduce the squared shard norms).
-  torch::Tensor clip_grad_norm(double max_norm);
-  // fp16: found-inf of this rank's gradients MAX-reduced over ranks (in place).
-  void all_reduce_found_inf(torch::Tensor& found_inf);
+  // host_waits: the all-reduce is waited for on the host (NCCL: with dist.timeout_s, a clear error), for a caller
+  // that reads the result at once; else only the stream is ordered after it (a later host wait reports a failure).
+  torch::Tensor clip_grad_norm(double max_norm, bool host_waits = true);
+  // fp16: found-inf of this rank's gradients MAX-reduced over ranks (in place); host_waits as above.
+  void all_reduce_found_inf(torch::Tensor& found_inf, bool host_waits = true);
   // Masters -> parameters; all-gather the updated parts. With `step_bucket` (offload) the update itself runs
   // here, one bucket's stepped tensors at a time, each bucket's copy up and gather started before the next
   // bucket's update.

@@ -58,6 +58,9 @@ class PendingCollective {
   // clear error as on Gloo. On Gloo both block the host.
   void wait();
   void wait_for_host();
+  // NCCL: the current CUDA stream waits for the collective, the host does not, and the collective stays pending
+  // (for a later wait_for_host()): a copy of its result queued next on that stream sees it. Gloo: nothing.
+  void order_stream();
   bool pending() const;
   bool completed() const;  // pending and already done (wait() will not block); never blocks
 
@@ -90,7 +93,8 @@ class ProcessGroup {
   PendingCollective all_reduce_sum_async(at::Tensor& tensor);
   void all_reduce_sum(at::Tensor& tensor) { all_reduce_sum_async(tensor).wait_for_host(); }
   // Element-wise max over ranks, in place (the fp16 scaler's found-inf flag).
-  void all_reduce_max(at::Tensor& tensor);
+  void all_reduce_max(at::Tensor& tensor) { all_reduce_max_async(tensor).wait_for_host(); }
+  PendingCollective all_reduce_max_async(at::Tensor& tensor);
   // input (size * n elements) summed over ranks; this rank keeps elements [rank * n, (rank + 1) * n) in output (n).
   PendingCollective reduce_scatter_sum_async(at::Tensor& output, at::Tensor& input);
   // output (size * n) = the concatenation of every rank's input (n).

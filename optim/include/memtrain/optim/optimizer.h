@@ -63,10 +63,15 @@ class FusedAdamW : public PartialStepOptimizer {
   // The () fp32 step count the kernel reads for `param`; undefined before its first step.
   torch::Tensor step_count(const torch::Tensor& param) const;
   void set_step_count(const torch::Tensor& param, double count);
+  // The next update is decided on the device: where `found_inf` (() fp32, on the parameters' device) is
+  // nonzero the kernel leaves parameters and moments as they are and the step counts are taken back, as
+  // torch.amp's GradScaler does with the fused kernels; the host need not read it. Undefined: always update.
+  void skip_when(torch::Tensor found_inf) { found_inf_ = std::move(found_inf); }
 
  private:
   void update(const std::set<const void*>* only) override;
   std::map<const void*, torch::Tensor> steps_;  // per parameter: () fp32 step count
+  torch::Tensor found_inf_;
 };
 
 struct LowBitOptions;

@@ -39,6 +39,9 @@
 namespace memtrain {
 
 class TraceBlocks;  // log.trace_blocks (trainer_setup.cpp)
+namespace detail {
+class StepFlags;   // train.host_reads = deferred (runtime/src/step_flags.h)
+}
 class RunReport;    // run_report.h
 
 // A model's floating buffers (BatchNorm's running statistics) kept aside and put back: a step retried after
@@ -85,8 +88,11 @@ class Trainer {
   Trainer& operator=(const Trainer&) = delete;
   Trainer(Trainer&&) = delete;
   Trainer& operator=(Trainer&&) = delete;
+  ~Trainer();
 
-  StepResult step();          // one optimizer step: micro-batches, reduce, clip, update, memory
+  // One optimizer step: micro-batches, reduce, clip, update, memory. Its result is read on the host at its end
+  // (applied, nonfinite); fit() defers that read to the next step with train.host_reads = deferred.
+  StepResult step();
   // The mean loss (and accuracy) over `batches`, on the same forward as training. Collective with ranks.
   EvalResult evaluate(const std::vector<Batch>& batches);
   // evaluate() over the validation windows: train.eval_batches micro-batches, non-overlapping from the start
@@ -165,7 +171,15 @@ class Trainer {
   void setup_tracker();                                          // 10
   void setup_outputs();                                          // 11
 
+  StepResult run_step(bool read_flags_now);  // step(), or fit()'s with the read deferred where it may be
   StepResult attempt_step();
+  // train.host_reads = deferred: the update skipped on the device when found-inf, and the step's flags recorded.
+  void update_deciding_on_device(StepResult& r, const torch::Tensor& loss_sum);
+  // The recorded flags of an earlier step (or this one's, into *r): the non-finite count, warning or stop, and a
+  // stop request. Nothing when none are pending.
+  void read_step_flags(StepResult* r);
+  // A step's non-finite loss or gradient norm (the update was skipped): counted, warned of, or the run stopped.
+  void on_nonfinite_step(int64_t step, const std::string& what);
   torch::Tensor run_micro_batches();                           // attempt_step's 1-2: the summed loss
   void clip_and_update(StepResult& r, const torch::Tensor& loss_sum);  // attempt_step's 3-4
   void recover_from_oom(const std::string& what);  // throws when the step cannot be retried
@@ -284,6 +298,10 @@ class Trainer {
   bool plan_corrected_ = false;
   ActivationProbe probe_keep_, probe_drop_;
   bool stopped_by_signal_ = false;
+  bool defer_reads_ = false;  // train.host_reads resolved: the fused AdamW skips non-finite updates on the device
+  bool read_now_ = true;      // this step's flags are read at its end
+  bool stop_seen_ = false;    // deferred: a stop request read from the flags of a finished step
+  std::unique_ptr<detail::StepFlags> flags_;
 };
 
 
