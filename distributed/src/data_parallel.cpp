@@ -1,8 +1,11 @@
 #include "memtrain/distributed/data_parallel.h"
 
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <deque>
 #include <numeric>
 #include <sstream>
 
@@ -24,6 +27,14 @@ struct DataParallel::Bucket {
                                       // exists from the bucket's first reduction to the optimizer step only
   torch::Tensor scratch;              // (shard,) reduce-scatter output while one is in flight; else undefined
   bool into_reduced = false;          // the in-flight reduce-scatter writes straight into `reduced`
+  // Offload from a GPU: reduced parts on their way to host memory (a pinned copy and the event after it), in
+  // order; each is copied or added into `reduced` on the host once it has landed.
+  struct Arrival {
+    torch::Tensor staged;  // (shard,) pinned host, the parameters' dtype
+    std::shared_ptr<c10::Event> landed;
+    bool first = false;    // the step's first reduction: copied, not added
+  };
+  std::deque<Arrival> arrivals;
   int64_t reductions = 0;             // this step
   size_t ready = 0;                   // parameters whose gradient is accumulated in this backward
   PendingCollective pending;
@@ -401,7 +412,17 @@ void DataParallel::finish(Bucket& b) {
     }
     return;
   }
-  if (!b.into_reduced) {
+  if (!b.into_reduced && b.scratch.is_cuda() && b.reduced.is_cpu()) {
+    // Offload from a GPU: a blocking device-to-host copy here would stall backward once per bucket. The part
+    // goes to pinned memory asynchronously (stream-ordered after the reduce-scatter; its device buffer can be
+    // freed at once, the caching allocator orders reuse on the stream); the host adds it once the copy has landed.
+    Bucket::Arrival a{torch::empty(b.scratch.sizes(), b.scratch.options().device(c10::kCPU).pinned_memory(true)),
+                      std::make_shared<c10::Event>(c10::DeviceType::CUDA), b.reductions == 1};
+    a.staged.copy_(b.scratch, /*non_blocking=*/true);
+    a.landed->record(c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(b.scratch.device()));
+    b.arrivals.push_back(std::move(a));
+    for (auto& other : buckets_) land_arrivals(*other, /*wait=*/false);  // those already landed, while backward goes on
+  } else if (!b.into_reduced) {
     auto here = b.reduced.device() == b.scratch.device() ? b.scratch : b.scratch.to(b.reduced.device());
     if (b.reductions == 1) b.reduced.copy_(here);  // the step's first: `reduced` holds nothing yet
     else b.reduced.add_(here);
@@ -415,12 +436,25 @@ void DataParallel::finish(Bucket& b) {
   }
 }
 
+void DataParallel::land_arrivals(Bucket& b, bool wait) {
+  torch::NoGradGuard no_grad;
+  while (!b.arrivals.empty()) {
+    auto& a = b.arrivals.front();
+    if (!wait && !a.landed->query()) return;  // in order: a later one is never added before an earlier one
+    a.landed->synchronize();
+    if (a.first) b.reduced.copy_(a.staged);  // the parameters' dtype -> the stepped (fp32) dtype, on the host
+    else b.reduced.add_(a.staged);
+    b.arrivals.pop_front();
+  }
+}
+
 void DataParallel::end_micro_batch() {
   if (armed_) {
     // Buckets with a parameter that got no gradient in this backward never filled: reduce them now.
     for (auto& b : buckets_) b->ready = b->params.size();
     launch_ready_buckets();
     for (auto& b : buckets_) finish(*b);
+    for (auto& b : buckets_) land_arrivals(*b, /*wait=*/true);  // the host reads `reduced` next (norm, update)
   }
   armed_ = false;
   release_all();

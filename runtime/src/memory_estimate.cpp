@@ -83,8 +83,28 @@ MemoryEstimate estimate_memory(const EstimateInputs& in) {
     } else {
       dev.grads += reduced;
     }
-    state_home.optimizer_state = state;
     const int64_t bucket = static_cast<int64_t>(in.bucket_mib * 1024 * 1024);
+    if (in.offload && in.cuda) {
+      // Pinned host blocks are rounded up to a power of two by the CUDA host allocator (CachingHostAllocator::
+      // allocate): each bucket's stepped part and reduced part is a block of its own. Buckets close near
+      // dist.bucket_mib (stage 3: within a unit), so each unit is taken as that many equal buckets.
+      auto pow2_ceil = [](int64_t x) {
+        int64_t v = 1;
+        while (v < x) v <<= 1;
+        return x > 0 ? v : 0;
+      };
+      std::vector<int64_t> units = {p};
+      if (in.stage == 3) units = in.block_elements, units.push_back(in.root_elements);
+      const int64_t stepped_bytes = in.master_weights ? 4 : pb;
+      for (const auto u : units) {
+        if (u <= 0) continue;
+        const int64_t k = std::max<int64_t>(1, (u * pb + bucket - 1) / bucket);  // buckets in the unit
+        const int64_t shard = (u + k * n - 1) / (k * n);                      // elements of one bucket's part
+        state += k * (pow2_ceil(shard * stepped_bytes) - shard * stepped_bytes);
+        if (reduced > 0) state += k * (pow2_ceil(shard * reduced_bytes) - shard * reduced_bytes);
+      }
+    }
+    state_home.optimizer_state = state;
     if (in.stage >= 2) {
       // The largest bucket: at most bucket_mib, and in stage 3 at most one unit.
       int64_t largest = p * pb;

@@ -443,19 +443,22 @@ EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
   if (track) reset_peak(measured);
   const int64_t traffic = dp_ ? dp_->traffic_mark() : 0;
   EvalResult e;
-  double loss_sum = 0, correct = 0;
   bool classifier = false;
+  // Sums stay on the device (fp64) until the end: one host read per evaluation, not one per batch.
+  std::vector<torch::Tensor> losses, hits;
   for (const auto& b : batches) {
     const auto moved = to_device(b);
     const auto n = moved.target.size(0);
     torch::Tensor logits;
-    loss_sum += forward_loss(moved, &logits).item<double>() * static_cast<double>(n);
+    losses.push_back(forward_loss(moved, &logits).to(torch::kDouble) * static_cast<double>(n));  // an fp32 loss
     if (logits.defined() && logits.dim() == 2) {
       classifier = true;
-      correct += static_cast<double>(logits.argmax(1).eq(moved.target).sum().item<int64_t>());
+      hits.push_back(logits.argmax(1).eq(moved.target).sum());
     }
     e.samples += n;
   }
+  double loss_sum = losses.empty() ? 0.0 : torch::stack(losses).sum().item<double>();
+  double correct = hits.empty() ? 0.0 : static_cast<double>(torch::stack(hits).sum().item<int64_t>());
   for (auto i = own; i < forwards; ++i) gathers_of_a_forward();
   model_->train();
   if (track) e.peak_bytes = read_counters(measured).peak_allocated, e.activation_peak = e.peak_bytes - eval_start;

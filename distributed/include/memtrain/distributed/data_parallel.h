@@ -189,6 +189,9 @@ class DataParallel {
   void launch_ready_buckets();
   void launch(Bucket& b);
   void finish(Bucket& b);
+  // Offload from a GPU: the reduced parts copied to pinned memory are put into `reduced` in order; with wait, all
+  // of them (the host reads `reduced` next), else those whose copy has landed.
+  void land_arrivals(Bucket& b, bool wait);
   void allocate_gradients(Bucket& b);
   void attach_reduced(Bucket& b);   // the stepped segments' .grad: views of `reduced`, or none
   void make_reduced(Bucket& b);     // stages 2-3: `reduced` for this step, unfilled
