@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The GPU benchmark, run by scripts/gpu_check.sh on the GPU machine: GPT-2 124M with each memory
-# technique, against a hand-written LibTorch loop and PyTorch eager, in one run. Writes
+# The long GPU benchmark, for a second window on the GPU machine (the check itself runs only one performance
+# point): device tool, carry [".gpu"], command "GPU_CHECK_MODE=bench bash scripts/gpu_check.sh", which builds
+# and then runs this. GPT-2 124M with each memory technique, against a hand-written LibTorch loop and PyTorch
+# eager, in one run; the memory_viz snapshot; the offload size sweep. Writes
 # $OUT/techniques_gpu.md (the table, to be committed as docs/benchmarks/techniques_gpu.md).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

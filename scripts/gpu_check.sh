@@ -4,11 +4,12 @@
 # after scripts/gpu_deps.sh has filled .gpu/ here:  device tool: carry [".gpu"],
 # command "bash scripts/gpu_check.sh", timeout_s 600.
 # Never stops at a failure: each stage's exit status and time go to $OUT/status.txt, everything to
-# $OUT/gpu_check.log, ctest's output also to $OUT/ctest.log (3 of the tool's 8 returned files; the
-# optional scripts/bench_gpu.sh may write up to 5 more). Every stage runs under one deadline,
-# GPU_CHECK_SECONDS (default 550) from the start, so the logs come back inside the tool's 600 s.
-# BENCH_SECONDS (default 150) is kept back from the tests for scripts/bench_gpu.sh when it exists;
-# CTEST_ARGS (e.g. "-R Cuda") is appended to the ctest command line.
+# $OUT/gpu_check.log; the CUDA tests' log, the CLI matrix's table and log (scripts/gpu_matrix.py) and the rest
+# of the suite's log also land in $OUT. Every stage runs under one deadline, GPU_CHECK_SECONDS (default 550)
+# from the start, so the logs come back inside the tool's 600 s. CTEST_ARGS (e.g. "-R Cuda") is appended to
+# the last ctest command line.
+# GPU_CHECK_MODE=bench (a second window): after the build, scripts/bench_gpu.sh (the long technique
+# benchmark, the memory_viz snapshot and the offload size sweep) instead of the tests and the matrix.
 # Idempotent: re-running reuses build-gpu.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -69,17 +70,25 @@ sys.exit(0 if ok else 1)'; then
 
   stage build "$(left 90)" cmake --build "$B" -j16
 
+  if [ "${GPU_CHECK_MODE:-check}" = bench ]; then
+    MEMTRAIN_BUILD="$B" stage bench "$(left 5)" bash scripts/bench_gpu.sh
+    echo; echo "=== summary"; cat "$OUT/status.txt"
+    ! grep -qv ' rc=0 ' "$OUT/status.txt"
+    return
+  fi
+
   # Fashion-MNIST is not carried (55 MB unpacked; only .gpu/data/text and tokens travel), so its tests are
   # excluded by name, and so is the BPE round trip, which needs Hugging Face tokenizers in the python. OMP_NUM_THREADS keeps parallel CPU-side tests from oversubscribing 16 cores.
-  # Order: the CUDA tests first (the point of this machine), then the benchmark, then the rest of the
-  # suite with whatever time is left (CI runs all of it on CPU anyway).
+  # Order: the CUDA tests first (the point of this machine), then the CLI matrix and the performance point,
+  # then the rest of the suite with whatever time is left (CI runs all of it on CPU anyway).
   OMP_NUM_THREADS=4 stage ctest-cuda "$(left 200)" ctest --test-dir "$B" --output-on-failure -j4 -R Cuda \
     --output-log "$OUT/ctest_cuda.log"
   # On this machine a CUDA test that skips ("no CUDA device") tested nothing: that is a failure here.
   stage cuda-none-skipped 10 bash -c "! grep -E 'Cuda.*(Skipped|Not Run)' '$OUT/ctest_cuda.log'"
-  if [ -f scripts/bench_gpu.sh ]; then
-    MEMTRAIN_BUILD="$B" stage bench "$(left 60)" bash scripts/bench_gpu.sh
-  fi
+  # The CLI matrix (precision, recompute, head, masters, ZeRO + offload on NCCL, two Gloo ranks on one GPU, OOM
+  # retry, budget auto, resume, allocator keys, stage-3 repeats) and GPT-2 124M's performance point; its own
+  # deadline ends 30 s before this stage's limit, so its table is always written.
+  stage matrix "$(left 20)" "$PY" scripts/gpu_matrix.py --build "$B" --out "$OUT" --seconds "$(left 50)"
   OMP_NUM_THREADS=2 stage ctest "$(left 5)" ctest --test-dir "$B" --output-on-failure -j8 \
     -E '[Ff]ashion|MNIST|Mnist|Cuda|SetUpsBpe' --output-log "$OUT/ctest.log" ${CTEST_ARGS:-}
 

@@ -144,8 +144,9 @@ void Trainer::move_grads_to_masters() {
   if (master_.empty()) return;
   torch::NoGradGuard no_grad;
   const bool mark = device_.is_cpu() && cpu_memory::installed();
-  // A step's first micro-batch makes each fp32 gradient (one cast per parameter); later ones add theirs in one
-  // multi-tensor launch per call, not a kernel per parameter.
+  // A step's first micro-batch makes each fp32 gradient (one cast per parameter); later ones add theirs with one
+  // _foreach_add_ (fp32 += bf16: CUDA's multi-tensor path needs one dtype, so this is still a kernel per
+  // parameter there; docs/ARCHITECTURE.md says what one launch would cost).
   std::vector<torch::Tensor> sums, adds;
   for (size_t i = 0; i < master_.size(); ++i) {
     auto& g = params_[i].mutable_grad();
@@ -506,6 +507,7 @@ void Trainer::fit() {
   make_output_folders();  // an unwritable folder found after the last step would lose the run's work
   resume_or_refuse();
   const detail::StopSignals signals;  // SIGTERM / SIGINT: save after this step and return
+  stop_seen_ = false;
   RunReport report(*this);
   const int64_t first = step_;
   const auto& lg = config_.log;
