@@ -74,7 +74,7 @@ def run_memtrain(a, world, extra, work, name, s=SHAPE, limit_mib=0):
     if p.returncode != 0:
         if limit_mib == 0:
             raise RuntimeError(p.stdout[-3000:])
-        why = next((l.split("memtrain: ", 1)[1] for l in p.stdout.splitlines() if "memtrain: " in l and "out of memory" in l),
+        why = next((l.split("memtrain: ", 1)[1] for l in p.stdout.splitlines() if "memtrain: " in l and ("out of memory" in l or "cannot fit" in l)),
                    p.stdout.strip().splitlines()[-1] if p.stdout.strip() else "exit code %d" % p.returncode)
         return None, why
     metrics = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl")) if '"ms_per_step"' in l]
@@ -191,8 +191,9 @@ def main():
               f"GPT {b['n_layer']} layers x {b['n_embd']} wide, context {b['block_size']} ({big_params:,} parameters: "
               f"{mib(4 * big_params)} fp32, AdamW state {mib(8 * big_params)} in one process), global batch "
               f"{b['global_batch']} ({b['global_batch'] // BIG_WORLD} per rank), {b['steps']} steps. The limit is "
-              "enforced by memtrain's counting CPU allocator: an allocation past it is an out-of-memory error, and with "
-              "several ranks the run stops naming the peak and the limit.", "",
+              "enforced by memtrain's counting CPU allocator: memtrain's own estimate stops a run that cannot fit before "
+              "the model is built, naming each term and the limit, at every stage alike (with memory.estimate = false "
+              "the allocation past the limit is the error, which reads '[memory] out of memory ...' at every stage too).", "",
               "| run | result | ms/step | tensor peak / rank | params / rank | optimizer state / rank | grads / rank |",
               "|---|---|---:|---:|---:|---:|---:|"]
     big_rows = []
@@ -203,7 +204,7 @@ def main():
         big_rows.append(dict(run=label, ok=r is not None, why=why, result=r))
         print(f"limit {BIG_LIMIT_MIB} MiB: {label:<32} {'trains' if r else 'stops: ' + why}", flush=True)
         if r is None:
-            lines.append(f"| {label} | stops: {why.split('; stopping:')[0].replace('|', '/')} | — | — | — | — | — |")
+            lines.append(f"| {label} | stops: {why.split('; stopping:')[0].split('. Shard the states')[0].replace('|', '/')} | — | — | — | — | — |")
         else:
             m = lambda k: mib(max(x[k] for x in r["ranks"]))
             lines.append(f"| {label} | trains | {r['ms']:.1f} | {m('peak_allocated')} | {m('params')} | "
