@@ -7,8 +7,10 @@
 #                  backend but not the headers its ProcessGroupGloo.hpp includes), at Debian's own paths,
 #                  so that the packages' CMake config files, which locate everything relative to
 #                  themselves, keep working;
-#   .gpu/data/text the prepared Austen text, .gpu/data/tokens its BPE token files (Fashion-MNIST, 55 MB
-#                  unpacked, stays behind).
+#   .gpu/data/text the prepared Austen text, .gpu/data/tokens its BPE token files, and Fashion-MNIST's four
+#                  gzipped files (31 MB; unpacked there);
+#   .gpu/fixtures  the PyTorch reference fixtures written here (scripts/reference), for the scripts that
+#                  cannot run there (the check writes the rest with that machine's own PyTorch).
 # Files are copied with links resolved (no symbolic links travel). Idempotent: rebuilds .gpu from
 # scratch, then proves it self-sufficient with scripts/gpu_smoke, /usr being ignored.
 set -euo pipefail
@@ -29,6 +31,21 @@ if [ -d "$DATA/tokens" ]; then
   mkdir -p "$P/data/tokens"
   for set in "$DATA"/tokens/austen-bpe*; do cp -r "$set" "$P/data/tokens/"; done
 fi
+
+# Fashion-MNIST as Debian ships it (31 MB gzipped; gpu_check.sh unpacks it there into .gpu/data/fashion-mnist).
+mkdir -p "$P/data/fashion-mnist-gz"
+cp /usr/share/datasets/fashion-mnist/*-ubyte.gz "$P/data/fashion-mnist-gz/"
+
+# The PyTorch reference fixtures, written here by the venv's torch 2.11 and the pinned transformers/peft/torchao
+# (the GPU image has other versions of those, and its run of scripts/reference/ddp_ref.py crashed): the GPU
+# build copies them (MEMTRAIN_FIXTURES_FROM) instead of running Python.
+VENV_PY="$(bash "$ROOT/scripts/setup.sh" --print-venv)/bin/python"
+[ -x "$VENV_PY" ] || { log "no venv python at $VENV_PY: run scripts/setup.sh first"; exit 1; }
+F="$P/fixtures"; mkdir -p "$F"
+{ "$VENV_PY" "$ROOT/scripts/reference/make_fixtures.py" "$F" && "$VENV_PY" "$ROOT/scripts/reference/hf_models.py" "$F/hf" \
+  && "$VENV_PY" "$ROOT/scripts/reference/peft_models.py" "$F/hf" && "$VENV_PY" "$ROOT/scripts/reference/lowbit_ref.py" "$F"; } \
+  >"$TMP/fixtures.log" 2>&1 || { cat "$TMP/fixtures.log" >&2; log "writing the fixtures failed"; exit 1; }
+touch "$F/.stamp"
 
 # Boost.Program_options: the shared library, the config dirs, and only the headers that
 # <boost/program_options.hpp> and any other Boost header our sources name pull in (under C++17 and

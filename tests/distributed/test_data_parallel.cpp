@@ -327,8 +327,10 @@ TEST(DataParallel, EveryRankTrainsRankZerosPlanWhateverItsOwnBudget) {
   // memory.budget_mib = auto reads each machine's free memory, and each rank measures its own probe: ranks can
   // reach different plans. Here rank 0 plans for 10 MiB (by the estimate, 12.1 MiB unplanned: it must halve the
   // micro-batch) and rank 1 for auto (gigabytes: it would keep micro-batches of 8). Every rank must train rank 0's
-  // plan: bitwise the losses of the run where both ranks plan for 10 MiB. (Before rank 0 decided, rank 1 trained
-  // other samples, silently: different losses.)
+  // plan: the losses of a run given that plan's settings outright. (Before rank 0 decided, rank 1 trained
+  // other samples, silently: different losses.) The plan is read from the run's own "chosen:" line, not assumed:
+  // among the settings that fit, the fastest by the probe's timings wins, and near-ties (head plain or fused,
+  // recompute none or all) went either way on the GPU machine's 16 cores, a last-bit difference in the losses.
   test::TempDir dir;
   const auto budgets = dir.file("rank_budget.sh", "#!/bin/sh\nif [ \"$RANK\" = 0 ]; then exec \"$@\" --memory.budget_mib=10; "
                                                   "else exec \"$@\" --memory.budget_mib=auto; fi\n");
@@ -336,16 +338,31 @@ TEST(DataParallel, EveryRankTrainsRankZerosPlanWhateverItsOwnBudget) {
   const auto launcher = dir.file("launch.sh", "#!/bin/sh\nshift 2\nexec " + test::binary("memtrain-run") +
                                                   " --standalone --nproc-per-node 2 -- sh " + budgets + " \"$@\"\n");
   const std::vector<std::string> model = {"--model.n_layer=4", "--model.n_embd=64", "--dist.timeout_s=60"};
-  auto same = model;
-  same.push_back("--memory.budget_mib=10");
-  const auto both = train(2, 16, same);
   const auto mixed = train(2, 16, model, "sh " + launcher);
-  ASSERT_EQ(both.code, 0) << both.output;
   ASSERT_EQ(mixed.code, 0) << mixed.output;
-  EXPECT_NE(both.output.find("chosen:    micro-batch 4 x 2"), std::string::npos) << both.output;
-  ASSERT_EQ(both.losses.size(), 4u);
-  EXPECT_EQ(mixed.losses, both.losses);
-  EXPECT_EQ(mixed.grad_norms, both.grad_norms);
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(mixed.output, m,
+                                std::regex(R"(chosen:\s+micro-batch (\d+) x (\d+), recompute (\S+), head (\w+), stage (\d))")))
+      << mixed.output;
+  EXPECT_EQ(m[1].str(), "4") << "rank 0's 10 MiB needs micro-batches of 4:\n" << mixed.output;
+  auto given = model;
+  given.insert(given.end(), {"--train.micro_batch=" + m[1].str(), "--train.accum_steps=" + m[2].str(),
+                             "--memory.recompute=" + m[3].str(), "--memory.head=" + m[4].str(),
+                             "--dist.zero_stage=" + m[5].str()});
+  const auto fixed = train(2, 16, given);
+  ASSERT_EQ(fixed.code, 0) << fixed.output;
+  ASSERT_EQ(fixed.losses.size(), 4u);
+  // Within 1e-5 relative, not bit for bit: on the GPU machine's CPU (16 cores, AVX-512) two runs of this same plan
+  // differed in the sixth digit of a loss (5.53285 and 5.53284, 2026-12-04; the runs with a budget probe first, which
+  // allocates and frees, so the cause may be GEMM results that depend on buffers' alignment; not established). Rank 1
+  // training its own plan (both agreements, on the budget and on the choice, removed) moves the losses by 3e-4 and the
+  // norms by 1.5%.
+  ASSERT_EQ(mixed.losses.size(), fixed.losses.size());
+  ASSERT_EQ(mixed.grad_norms.size(), fixed.grad_norms.size());
+  for (size_t i = 0; i < fixed.losses.size(); ++i) {
+    EXPECT_NEAR(mixed.losses[i], fixed.losses[i], 1e-5 * fixed.losses[i]) << "step " << i + 1 << ", " << m[0].str();
+    EXPECT_NEAR(mixed.grad_norms[i], fixed.grad_norms[i], 1e-5 * fixed.grad_norms[i]) << "step " << i + 1;
+  }
 }
 
 TEST(DataParallel, RandomUnevenJobsAtEveryStageAlwaysFinish) {

@@ -170,11 +170,21 @@ void run_examples(bool cuda) {
     if (f.path().extension() != ".ini") continue;
     std::vector<std::string> overrides = {"--train.steps=2", "--train.warmup_steps=1", "--train.eval_every=0",
                                           "--log.dir=" + test::tiny_gpt_config().log.dir};
-    const auto init_from = Config::ini_values(read_file_bytes(f.path().string()))["model.init_from"];
-    if (!init_from.empty() && !cuda) overrides.push_back("--model.init_from=" + example_base(init_from));
-    auto c = Config::load(f.path().string(), overrides);
-    if ((c.train.device == "cuda") != cuda) continue;
+    auto ini = Config::ini_values(read_file_bytes(f.path().string()));
+    // The device first: a config of the other kind is not run, so its init_from base is not made (on the GPU
+    // machine, the CPU LoRA example's missing base made Config::load throw before the device was looked at).
+    if ((ini["train.device"] == "cuda") != cuda) continue;
     SCOPED_TRACE(f.path().filename().string());
+    // A planning config for a machine of several GPUs (llama3_8b_8xh100.ini: about 128 GB of model states
+    // before activations, for 8 ranks of ZeRO-3) is for `memtrain estimate/plan --target` (TargetEstimate.*):
+    // here it only has to load.
+    if (f.path().stem().string().find("_8x") != std::string::npos) {
+      EXPECT_NO_THROW(Config::load(f.path().string(), overrides));
+      continue;
+    }
+    const auto init_from = ini["model.init_from"];
+    if (!init_from.empty()) overrides.push_back("--model.init_from=" + example_base(init_from));
+    auto c = Config::load(f.path().string(), overrides);
     Trainer t(c);
     // A finite loss no higher than a uniform guess over the classes (ln V; a fresh model sits near it,
     // within 0.5 for the ResNet's BatchNorm start), for the first steps of every example.
