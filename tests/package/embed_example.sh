@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CTest: memtrain as an installed package. Installs the build into a temporary prefix, moves the prefix
 # (the package must be relocatable), builds examples/embed against it from outside the source tree,
-# runs it, and checks that both of its networks' losses fall.
+# runs it, and checks that both of its networks' losses fall. A decoy Boost ahead on the prefix path checks that
+# the package takes the Boost it was built against.
 #   embed_example.sh BUILD_DIR SOURCE_DIR TORCH_PREFIX
 set -euo pipefail
 BUILD="$1" SRC="$2" TORCH_PREFIX="$3"
@@ -14,8 +15,18 @@ if grep -rq "$WORK/staged" "$WORK/prefix/lib/cmake"; then
 fi
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+# A newer Boost ahead on the embedder's path, without program_options (as the GPU image's 1.83 was, 2026-12-04:
+# the embedder's configure failed there): the package must still take the Boost memtrain was built against.
+mkdir -p "$WORK/shadow/lib/cmake/Boost-1.99.0"
+cat >"$WORK/shadow/lib/cmake/Boost-1.99.0/BoostConfigVersion.cmake" <<'V'
+set(PACKAGE_VERSION 1.99.0)
+set(PACKAGE_VERSION_COMPATIBLE TRUE)
+V
+cat >"$WORK/shadow/lib/cmake/Boost-1.99.0/BoostConfig.cmake" <<'C'
+message(FATAL_ERROR "the shadow Boost 1.99 was used: it has no program_options")
+C
 cmake -S "$SRC/examples/embed" -B "$WORK/build" -G Ninja "${launcher[@]}" \
-  -DCMAKE_PREFIX_PATH="$WORK/prefix;$TORCH_PREFIX" >"$WORK/configure.log" 2>&1 || { cat "$WORK/configure.log"; exit 1; }
+  -DCMAKE_PREFIX_PATH="$WORK/shadow;$WORK/prefix;$TORCH_PREFIX" >"$WORK/configure.log" 2>&1 || { cat "$WORK/configure.log"; exit 1; }
 cmake --build "$WORK/build" 2>&1 | grep -vE '^\[[0-9]+/[0-9]+\] ' || true
 [ -x "$WORK/build/embed_train" ] || { echo "FAIL: embed_train was not built"; exit 1; }
 "$WORK/build/embed_train" 200 | tee "$WORK/out.txt"
