@@ -3,6 +3,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/core/AllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 #include <torch/csrc/cuda/memory_snapshot.h>
 #include <torch/cuda.h>
@@ -118,6 +119,12 @@ bool cpu_has_native_bf16() {
   for (std::string line; std::getline(in, line);)
     if (line.rfind("flags", 0) == 0) return line.find(" avx512_bf16") != std::string::npos || line.find(" amx_bf16") != std::string::npos;
   return true;  // unknown: say nothing
+}
+
+int64_t cublas_workspace_bytes(const c10::Device& device) {
+  if (!device.is_cuda()) return 0;
+  c10::cuda::CUDAGuard guard(device.index());
+  return 2 * static_cast<int64_t>(at::cuda::getChosenWorkspaceSize());
 }
 
 }  // namespace memtrain

@@ -128,6 +128,7 @@ MemoryEstimate estimate_memory(const EstimateInputs& in) {
   (in.cuda ? host : dev).data = in.data_bytes;
   if (in.budget_bytes >= 0) {
     dev.activations = in.budget_bytes;
+    dev.workspace = in.workspace_bytes;
     e.method = "memory.recompute = budget: activations held to the budget (" + format_bytes(in.budget_bytes) + ")";
   } else if (in.probe.measured()) {
     dev.activations = in.probe.at(in.micro_batch);
@@ -147,6 +148,9 @@ MemoryEstimate estimate_memory(const EstimateInputs& in) {
       m << ", extrapolated linearly to " << in.micro_batch << "; model states from element counts";
     }
     e.method = m.str();
+    // The workspaces come with the first GEMM of each thread: inside a probe's measurement (if it is the
+    // process's first), never inside the closed form.
+    if (!in.probe.closed_form.empty()) dev.workspace = in.workspace_bytes;
   } else {
     e.method = "model states only (activations not measured: memory.track = false or no counting allocator)";
   }
@@ -170,6 +174,7 @@ std::string MemoryEstimate::table() const {
   line("activations", device.activations, host.activations);
   line("gathered (ZeRO-3)", device.gathered, host.gathered);
   line("bucket in flight", device.buckets_in_flight, host.buckets_in_flight);
+  line("cuBLAS workspaces", device.workspace, host.workspace);
   out << "  peak                " << format_bytes(device.peak()) << (cuda ? " on the device, host " + format_bytes(host.peak()) : "")
       << "\n  (" << method << ")\n";
   return out.str();
@@ -180,7 +185,8 @@ std::string MemoryEstimate::to_json() const {
     return nlohmann::json{{"params", p.params},           {"grads", p.grads},
                           {"optimizer_state", p.optimizer_state}, {"data", p.data},
                           {"activations", p.activations}, {"gathered", p.gathered},
-                          {"buckets_in_flight", p.buckets_in_flight}, {"peak", p.peak()}};
+                          {"buckets_in_flight", p.buckets_in_flight}, {"workspace", p.workspace},
+                          {"peak", p.peak()}};
   };
   nlohmann::json j = {{"device", parts(device)}, {"method", method}};
   if (cuda) j["host"] = parts(host);

@@ -23,10 +23,13 @@ std::vector<DeviceTerm> device_terms(const Target& t, int world, const Activatio
                    "driver state and the kernels loaded lazily (CUDA_MODULE_LOADING=LAZY); outside the allocator; "
                    "an assumption until measured on the GPU"});
   // PyTorch's cuBLAS workspace per (handle, stream), through the caching allocator: CUBLAS_WORKSPACE_CONFIG's
-  // default is :4096:8 (32 MiB) on Hopper and :4096:2:16:8 (8.125 MiB) before it, as cuBLAS recommends.
+  // default is :4096:8 (32 MiB) on Hopper and :4096:2:16:8 (8.125 MiB) before it, as cuBLAS recommends; handles are
+  // per thread, and a step runs GEMMs on two (the forward on the caller's, the backward on autograd's device thread):
+  // two workspaces (cublas_workspace_bytes in device.h reads the same on the machine itself). cuBLASLt shares them.
   const bool ampere = t.name.rfind("a100", 0) == 0;  // a byte count: an unknown GPU, taken as Hopper's
-  terms.push_back({"cuBLAS workspace", ampere ? 8 * kMiB + 128 * 1024 : 32 * kMiB,
-                   "PyTorch's CUBLAS_WORKSPACE_CONFIG default for the architecture, one stream"});
+  terms.push_back({"cuBLAS workspaces", 2 * (ampere ? 8 * kMiB + 128 * 1024 : 32 * kMiB),
+                   "PyTorch's CUBLAS_WORKSPACE_CONFIG default for the architecture, one per thread running GEMMs "
+                   "(forward and autograd's backward)"});
   if (world > 1)
     terms.push_back({"NCCL buffers", 2 * 32 * 4 * kMiB,
                      "NCCL_BUFFSIZE (4 MiB) for send and receive on up to 32 channels, outside the allocator; an "

@@ -378,6 +378,7 @@ EstimateInputs Trainer::estimate_inputs(int world, const std::string& optimizer)
   }
   in.data_bytes = data_->resident_bytes();
   in.cuda = device_.is_cuda();
+  in.workspace_bytes = cublas_workspace_bytes(device_);
   if (policy_.budget_unresolved()) in.budget_bytes = static_cast<int64_t>(policy_.budget_mib * 1024 * 1024);
   const bool sharded = this->sharded(world);
   in.probe = sharded ? probe_drop_ : probe_keep_;

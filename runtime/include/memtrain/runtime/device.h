@@ -37,6 +37,12 @@ std::pair<double, std::string> peak_flops(double configured_tflops, const c10::D
 // on the CPU; -1 when it cannot be read.
 int64_t free_device_bytes(const c10::Device& device);
 
+// CUDA: the cuBLAS workspaces a training step leaves in the caching allocator. PyTorch keeps one per (cuBLAS
+// handle, stream), of at::cuda::getChosenWorkspaceSize() bytes (CUBLAS_WORKSPACE_CONFIG; 32 MiB on Hopper, 8 MiB +
+// 128 KiB before), and cuBLASLt uses the same one (unified by default); handles are per thread, and a step's GEMMs
+// run on two threads: the forward on the caller's, the backward on autograd's device thread. 0 on other devices.
+int64_t cublas_workspace_bytes(const c10::Device& device);
+
 // A CPU without native bf16 (AVX512-BF16 or AMX) runs bf16 autocast in emulation, ~10-20x slower than fp32.
 bool cpu_has_native_bf16();
 

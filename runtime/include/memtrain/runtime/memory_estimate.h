@@ -53,6 +53,9 @@ struct EstimateInputs {
   double quantized_state_bytes = 0;
   int64_t data_bytes = 0;             // the dataset in host memory
   bool cuda = false;                  // the training device is a GPU: host and device apart
+  // CUDA: the cuBLAS workspaces a step leaves allocated (cublas_workspace_bytes, device.h). Counted with activations
+  // in closed form; a probe's measured activations already hold what the workspaces add.
+  int64_t workspace_bytes = 0;
   int world = 1;
   int stage = 0;
   bool offload = false;               // dist.offload_optimizer = cpu
@@ -78,8 +81,9 @@ struct MemoryParts {
                                   // backward in a single process)
   int64_t gathered = 0;           // stage 3: full parameter storage held at once (root + (1 + prefetch) blocks)
   int64_t buckets_in_flight = 0;  // stages 2-3: a full-size gradient bucket between its first gradient and its reduce-scatter
+  int64_t workspace = 0;          // CUDA: cuBLAS workspaces (EstimateInputs::workspace_bytes)
   int64_t resident() const { return params + grads + optimizer_state + data; }
-  int64_t peak() const { return resident() + activations + gathered + buckets_in_flight; }
+  int64_t peak() const { return resident() + activations + gathered + buckets_in_flight + workspace; }
 };
 
 struct MemoryEstimate {
