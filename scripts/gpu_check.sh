@@ -130,14 +130,14 @@ sys.exit(0 if ok else 1)'; then
     --output-log "$OUT/ctest_cuda.log"
   # On this machine a CUDA test that skips ("no CUDA device") tested nothing: that is a failure here.
   stage cuda-none-skipped 10 bash -c "! grep -E 'Cuda.*(Skipped|Not Run)' '$OUT/ctest_cuda.log'"
+  # Before the matrix, which may take the rest of its window: what the GPU allocates that the run's own estimate does not name (65-76 MiB on the H200, 2026-12-04): PyTorch's
+  # workspaces measured alone, and a snapshot of memtrain's plain case summed by allocating frame (diagnose.json,
+  # snapshot_plain.pickle).
+  stage diagnose 60 "$PY" scripts/gpu_diagnose.py --build "$B" --out "$OUT"
   # The CLI matrix (precision, recompute, head, masters, ZeRO + offload on NCCL, two Gloo ranks on one GPU, OOM
   # retry, budget auto, resume, allocator keys, stage-3 repeats) and GPT-2 124M's performance point; its own
   # deadline ends 30 s before this stage's limit, so its table is always written.
   stage matrix "$(left 20)" "$PY" scripts/gpu_matrix.py --build "$B" --out "$OUT" --seconds "$(left 50)"
-  # What the GPU allocates that the run's own estimate does not name (65-76 MiB on the H200, 2026-12-04): PyTorch's
-  # workspaces measured alone, and a snapshot of memtrain's plain case summed by allocating frame (diagnose.json,
-  # snapshot_plain.pickle).
-  stage diagnose "$(left 60)" "$PY" scripts/gpu_diagnose.py --build "$B" --out "$OUT"
   OMP_NUM_THREADS=2 stage ctest "$(left 5)" ctest --test-dir "$B" --output-on-failure -j8 \
     -E 'Cuda|SetUpsBpe|GpuDepsAlone|GpuCheck|FollowTorchaosAdamW' --output-log "$OUT/ctest.log" ${CTEST_ARGS:-}
 
