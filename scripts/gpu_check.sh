@@ -42,6 +42,7 @@ write_fixtures_here() {  # into $F: the carried fixtures, overwritten by whateve
   [ -f "$F/.stamp" ] && { echo "fixtures: kept from an earlier run in $F"; return 0; }
   rm -rf "$F" && mkdir -p "$F" && cp -r "$P/fixtures/." "$F/" || return 1
   w="$(mktemp -d)"; mkdir -p "$w/hf"
+  # make_fixtures.py hides the GPU from itself (and ddp_ref.py's spawned ranks, which crashed with one visible).
   # Only make_fixtures.py (torch alone) is rewritten here: hf_models.py and peft_models.py need the pinned
   # transformers and peft (the image's transformers 5 wrote other configs: HuggingFace.* and Lora.* failed on them,
   # 2026-12-04), lowbit_ref.py needs torchao (not in the image; 28 MB, over what can travel beside the data).

@@ -32,6 +32,8 @@ ddp_zero.safetensors holds
 """
 import os, socket, sys
 
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU references (make_fixtures.py says why); before torch
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp

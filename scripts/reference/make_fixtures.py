@@ -18,6 +18,11 @@ The GPT here mirrors memtrain's (models/src/gpt.cpp) operation for operation and
 """
 import json, math, os, struct, sys
 
+# CPU references, on every machine: with a GPU visible, ddp_ref.py's spawned Gloo ranks died with SIGSEGV on the
+# H200 machine (2026-12-04; FSDP2's DeviceMesh picks a CUDA device by rank when one exists), which stopped the build
+# there. Hidden before torch is imported; the spawned processes inherit it.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 import torch
 import torch.nn as nn
 
