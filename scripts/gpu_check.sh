@@ -37,23 +37,19 @@ unpack_fashion_mnist() {
   ls -l "$P/data/fashion-mnist"
 }
 
-write_fixtures_here() {  # into $F: the carried fixtures, overwritten by whatever each script writes here
-  local w s script sub
+write_fixtures_here() {  # into $F: the carried fixtures, overwritten by what make_fixtures.py writes here
+  local w
   [ -f "$F/.stamp" ] && { echo "fixtures: kept from an earlier run in $F"; return 0; }
   rm -rf "$F" && mkdir -p "$F" && cp -r "$P/fixtures/." "$F/" || return 1
-  w="$(mktemp -d)"; mkdir -p "$w/hf"
-  # make_fixtures.py hides the GPU from itself (and ddp_ref.py's spawned ranks, which crashed with one visible).
-  # Only make_fixtures.py (torch alone) is rewritten here: hf_models.py and peft_models.py need the pinned
-  # transformers and peft (the image's transformers 5 wrote other configs: HuggingFace.* and Lora.* failed on them,
-  # 2026-12-04), lowbit_ref.py needs torchao (not in the image; 28 MB, over what can travel beside the data).
-  for s in make_fixtures.py:.; do
-    script="${s%%:*}"; sub="${s##*:}"
-    if timeout 60 "$PY" "scripts/reference/$script" "$w/$sub" >"$w.log" 2>&1; then
-      echo "fixtures: $script ran here"
-    else
-      echo "fixtures: $script FAILED here; the carried files stand for what it did not write:"; tail -4 "$w.log"
-    fi
-  done
+  # Only make_fixtures.py (torch alone) is rerun here: hf_models.py and peft_models.py need the pinned transformers
+  # and peft (the image's transformers 5 wrote other configs: HuggingFace.* and Lora.* failed on them, 2026-12-04),
+  # lowbit_ref.py needs torchao (not in the image; 28 MB, over what can travel beside the data).
+  w="$(mktemp -d)"
+  if timeout 60 "$PY" scripts/reference/make_fixtures.py "$w" >"$w.log" 2>&1; then
+    echo "fixtures: make_fixtures.py ran here"
+  else
+    echo "fixtures: make_fixtures.py FAILED here; the carried files stand for what it did not write:"; tail -4 "$w.log"
+  fi
   cp -r "$w/." "$F/" && touch "$F/.stamp" && echo "fixtures: $(find "$F" -type f | wc -l) files in $F"
 }
 export -f unpack_fashion_mnist write_fixtures_here
@@ -94,10 +90,9 @@ sys.exit(0 if ok else 1)'; then
   # Fashion-MNIST travels gzipped (the tree that travels is limited to 64 MiB): unpacked here, as setup.sh does.
   export P PY F="$ROOT/build-gpu-fixtures"
   stage data 60 bash -c unpack_fashion_mnist
-  # The reference fixtures from this machine's own PyTorch where its scripts run here (the bf16 and vectorized
-  # results a test compares bit for bit depend on the CPU's instructions), the carried ones (.gpu/fixtures, written
-  # by the CPU machine's venv) for the rest and for what fails here: its run of ddp_ref.py (torch.multiprocessing,
-  # the last part of make_fixtures.py) crashed with SIGSEGV on 2026-12-04, after the other files were written.
+  # The reference fixtures: make_fixtures.py's from this machine's own PyTorch (the bf16 and vectorized results a
+  # test compares bit for bit depend on the CPU's instructions), the carried ones (.gpu/fixtures, written by the CPU
+  # machine's venv) for the rest and for whatever it fails to write here.
   stage fixtures 150 bash -c write_fixtures_here
 
   # CMAKE_POLICY_VERSION_MINIMUM only matters with CMake 4 (the image's CMake may be that new).
@@ -131,9 +126,9 @@ sys.exit(0 if ok else 1)'; then
     --output-log "$OUT/ctest_cuda.log"
   # On this machine a CUDA test that skips ("no CUDA device") tested nothing: that is a failure here.
   stage cuda-none-skipped 10 bash -c "! grep -E 'Cuda.*(Skipped|Not Run)' '$OUT/ctest_cuda.log'"
-  # Before the matrix, which may take the rest of its window: what the GPU allocates that the run's own estimate does not name (65-76 MiB on the H200, 2026-12-04): PyTorch's
-  # workspaces measured alone, and a snapshot of memtrain's plain case summed by allocating frame (diagnose.json,
-  # snapshot_plain.pickle).
+  # Before the matrix, which may take the rest of its window: what the GPU allocates that the run's own estimate
+  # did not name (65-76 MiB on the H200, 2026-12-04): PyTorch's workspaces measured alone, and a snapshot of
+  # memtrain's plain case summed by allocating frame (diagnose.json, snapshot_plain.pickle).
   stage diagnose 60 "$PY" scripts/gpu_diagnose.py --build "$B" --out "$OUT"
   # The CLI matrix (precision, recompute, head, masters, ZeRO + offload on NCCL, two Gloo ranks on one GPU, OOM
   # retry, budget auto, resume, allocator keys, stage-3 repeats) and GPT-2 124M's performance point; its own

@@ -41,11 +41,8 @@ cp /usr/share/datasets/fashion-mnist/*-ubyte.gz "$P/data/fashion-mnist-gz/"
 # build copies them (MEMTRAIN_FIXTURES_FROM) instead of running Python.
 VENV_PY="$(bash "$ROOT/scripts/setup.sh" --print-venv)/bin/python"
 [ -x "$VENV_PY" ] || { log "no venv python at $VENV_PY: run scripts/setup.sh first"; exit 1; }
-F="$P/fixtures"; mkdir -p "$F"
-{ "$VENV_PY" "$ROOT/scripts/reference/make_fixtures.py" "$F" && "$VENV_PY" "$ROOT/scripts/reference/hf_models.py" "$F/hf" \
-  && "$VENV_PY" "$ROOT/scripts/reference/peft_models.py" "$F/hf" && "$VENV_PY" "$ROOT/scripts/reference/lowbit_ref.py" "$F"; } \
-  >"$TMP/fixtures.log" 2>&1 || { cat "$TMP/fixtures.log" >&2; log "writing the fixtures failed"; exit 1; }
-touch "$F/.stamp"
+bash "$ROOT/scripts/reference/write_fixtures.sh" "$VENV_PY" "$P/fixtures" >"$TMP/fixtures.log" 2>&1 \
+  || { cat "$TMP/fixtures.log" >&2; log "writing the fixtures failed"; exit 1; }
 
 # Boost.Program_options: the shared library, the config dirs, and only the headers that
 # <boost/program_options.hpp> and any other Boost header our sources name pull in (under C++17 and

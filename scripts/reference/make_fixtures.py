@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes the expected values that memtrain's C++ tests compare against, computed by PyTorch itself.
 
-Run by the build (tests/CMakeLists.txt) with the project venv's python:  make_fixtures.py OUT_DIR
+Run by scripts/reference/write_fixtures.sh (the build, and gpu_deps.sh) with the venv's python:  make_fixtures.py OUT_DIR
 
   gpt_parity.safetensors   a small GPT's weights, a batch, its logits, loss and every gradient (fp32),
                            then the losses of 5 AdamW steps (llm.c-style golden values) and every
