@@ -161,6 +161,18 @@ inline std::vector<double> metric_losses(const std::string& metrics_jsonl) {
   return out;
 }
 
+// The "grad_norm" of each line of a run's metrics.jsonl, in order: the global gradient norm before clipping. A
+// reduction that sums where it should average leaves AdamW's losses alone (its update and clipping are blind to a
+// common scale of the gradients) but multiplies this norm by the world size.
+inline std::vector<double> metric_grad_norms(const std::string& metrics_jsonl) {
+  std::vector<double> out;
+  std::ifstream in(metrics_jsonl);
+  std::smatch m;
+  for (std::string line; std::getline(in, line);)
+    if (std::regex_search(line, m, std::regex("\"grad_norm\":([^,}]+)"))) out.push_back(std::stod(m[1]));
+  return out;
+}
+
 // max |a - b| / (max |b| + tiny): a scale-free distance for comparing gradients.
 inline double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
   auto fa = a.to(torch::kDouble), fb = b.to(torch::kDouble);

@@ -504,6 +504,15 @@ Config Config::load(const std::string& path, const std::vector<std::string>& raw
   };
   auto given = [&](const std::string& key) { return vm.count(key) && !vm[key].defaulted(); };
 
+  // A preset names its family: --model.preset=llama-3.1-8b alone is a Llama (a model.name given beside it must agree,
+  // as validate() checks).
+  if (given("model.preset") && !given("model.name")) {
+    auto in = [&](const auto& presets) {
+      return c.model.preset != "custom" && std::find(presets.begin(), presets.end(), c.model.preset) != presets.end();
+    };
+    if (in(choices::gpt_preset)) c.model.name = "gpt";
+    else if (in(choices::llama_preset)) c.model.name = "llama";
+  }
   // A folder that sets keys (model.init_from's config.json, lora.init_from's adapter_config.json): a key also
   // given here must say the same, compared as `canonical` shows it.
   auto must_agree = [&](const Config& from_folder, const std::vector<std::string>& keys, const std::string& source,

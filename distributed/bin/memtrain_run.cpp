@@ -209,21 +209,7 @@ std::string describe(int status) {
   return "exited with code " + std::to_string(exit_code(status));
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  auto o = parse(argc, argv);
-  if (o.master_port == 0) o.master_port = free_port(o.master_addr);
-  const int world = o.nnodes * o.nproc;
-  if (!o.log_dir.empty()) {
-    std::error_code ec;
-    std::filesystem::create_directories(o.log_dir, ec);
-    if (ec) {
-      std::cerr << "memtrain-run: cannot create --log-dir '" << o.log_dir << "': " << ec.message() << "\n";
-      return 1;
-    }
-  }
-
+void install_signal_handlers() {
   struct sigaction sa{};
   sa.sa_handler = on_signal;
   sigaction(SIGINT, &sa, nullptr);
@@ -234,9 +220,40 @@ int main(int argc, char** argv) {
   sc.sa_handler = on_child;
   sc.sa_flags = SA_RESTART | SA_NOCLDSTOP;
   sigaction(SIGCHLD, &sc, nullptr);
-  if (o.nproc > kMaxChildren) usage_error("--nproc-per-node above " + std::to_string(kMaxChildren));
+}
 
-  std::vector<Child> children(static_cast<size_t>(o.nproc));
+// The child of fork(), as rank `rank` (`local` on this node): its own process group, output into the pipe,
+// the environment of torchrun, then the command. Never returns. `o` is not const: execvp takes char*.
+[[noreturn]] void exec_rank(Options& o, int world, int local, int rank, const int fds[2], pid_t launcher_pid) {
+  // Its own process group: a Ctrl-C on the terminal reaches the launcher only, which forwards each
+  // signal once to each rank (so a second Ctrl-C is a rank's second signal, not its third). Signals go
+  // to the whole group, so a wrapper command (sh -c, numactl) and the rank under it stop together.
+  setpgid(0, 0);
+  prctl(PR_SET_PDEATHSIG, SIGTERM);  // the launcher died: do not train on unsupervised
+  if (getppid() != launcher_pid) _exit(1);
+  signal(SIGPIPE, SIG_DFL);
+  dup2(fds[1], STDOUT_FILENO);
+  dup2(fds[1], STDERR_FILENO);
+  close(fds[0]);
+  close(fds[1]);
+  setenv("RANK", std::to_string(rank).c_str(), 1);
+  setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+  setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
+  setenv("LOCAL_WORLD_SIZE", std::to_string(o.nproc).c_str(), 1);
+  setenv("GROUP_RANK", std::to_string(o.node_rank).c_str(), 1);
+  setenv("MASTER_ADDR", o.master_addr.c_str(), 1);
+  setenv("MASTER_PORT", std::to_string(o.master_port).c_str(), 1);
+  if (o.nproc > 1) setenv("OMP_NUM_THREADS", "1", 0);  // as torchrun: N processes share the cores
+  std::vector<char*> args;
+  for (auto& a : o.command) args.push_back(a.data());
+  args.push_back(nullptr);
+  execvp(args[0], args.data());
+  std::fprintf(stderr, "memtrain-run: cannot run '%s': %s\n", args[0], std::strerror(errno));
+  _exit(127);
+}
+
+// Forks and execs one child per local rank; 0, or the launcher's exit code when one could not be started.
+int start_ranks(Options& o, int world, std::vector<Child>& children) {
   // Starting failed part way: stop and reap the ranks already started, never signal pid <= 0.
   auto abandon = [&](const char* what) {
     std::perror(what);
@@ -259,117 +276,144 @@ int main(int argc, char** argv) {
       close(fds[1]);
       return abandon("memtrain-run: fork");
     }
-    if (c.pid == 0) {
-      // Its own process group: a Ctrl-C on the terminal reaches the launcher only, which forwards each
-      // signal once to each rank (so a second Ctrl-C is a rank's second signal, not its third). Signals go
-      // to the whole group, so a wrapper command (sh -c, numactl) and the rank under it stop together.
-      setpgid(0, 0);
-      prctl(PR_SET_PDEATHSIG, SIGTERM);  // the launcher died: do not train on unsupervised
-      if (getppid() != launcher_pid) _exit(1);
-      signal(SIGPIPE, SIG_DFL);
-      dup2(fds[1], STDOUT_FILENO);
-      dup2(fds[1], STDERR_FILENO);
-      close(fds[0]);
-      close(fds[1]);
-      setenv("RANK", std::to_string(c.rank).c_str(), 1);
-      setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
-      setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
-      setenv("LOCAL_WORLD_SIZE", std::to_string(o.nproc).c_str(), 1);
-      setenv("GROUP_RANK", std::to_string(o.node_rank).c_str(), 1);
-      setenv("MASTER_ADDR", o.master_addr.c_str(), 1);
-      setenv("MASTER_PORT", std::to_string(o.master_port).c_str(), 1);
-      if (o.nproc > 1) setenv("OMP_NUM_THREADS", "1", 0);  // as torchrun: N processes share the cores
-      std::vector<char*> args;
-      for (auto& a : o.command) args.push_back(a.data());
-      args.push_back(nullptr);
-      execvp(args[0], args.data());
-      std::fprintf(stderr, "memtrain-run: cannot run '%s': %s\n", args[0], std::strerror(errno));
-      _exit(127);
-    }
+    if (c.pid == 0) exec_rank(o, world, local, c.rank, fds, launcher_pid);  // never returns
     setpgid(c.pid, c.pid);  // also here: no race with the child's own call before the first kill
     close(fds[1]);
     fcntl(fds[0], F_SETFL, fcntl(fds[0], F_GETFL) | O_NONBLOCK);
     c.out_fd = fds[0];
   }
-  // Log files after every fork, so that no rank inherits them.
+  return 0;
+}
+
+// Log files after every fork, so that no rank inherits them.
+void open_log_files(const Options& o, std::vector<Child>& children) {
   for (auto& c : children) {
     if (o.log_dir.empty()) continue;
     c.log.open(o.log_dir + "/rank" + std::to_string(c.rank) + ".log");
     if (!c.log.good()) std::cerr << "memtrain-run: cannot write " << o.log_dir << "/rank" << c.rank << ".log\n";
   }
+}
 
+// What the launcher knows while the ranks run.
+struct Supervision {
   int result = 0;
   int handled = 0;  // entries of g_exited_* already processed
   bool stopping = false;
-  auto stop_time = std::chrono::steady_clock::time_point::max();
-  auto stop_all = [&](int sig) {
-    for (auto& c : children) {
-      if (!c.running || c.pid <= 0) continue;
-      // Reaped by the SIGCHLD handler but not yet processed: its pid may already be someone else's.
-      bool reaped = false;
-      for (int i = handled; i < g_exited; ++i) reaped = reaped || g_exited_pid[i] == c.pid;
-      if (!reaped) kill(-c.pid, sig);
-    }
-  };
+  std::chrono::steady_clock::time_point stop_time = std::chrono::steady_clock::time_point::max();
   int forwarded = 0;
-  for (;;) {
-    // Output first, so that a failing rank's last words come before the launcher's verdict.
-    std::vector<pollfd> fds;
-    for (auto& c : children)
-      if (c.out_fd >= 0) fds.push_back({c.out_fd, POLLIN, 0});
-    if (!fds.empty()) poll(fds.data(), fds.size(), 100);
-    else std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    for (auto& c : children)
-      if (c.out_fd >= 0) drain(c);
+};
 
-    if (g_signal != 0) {  // forward it; the children save and exit (a second one: they exit at once)
-      const int sig = g_signal;
-      g_signal = 0;
-      std::cerr << "memtrain-run: " << strsignal(sig) << ": forwarding to the ranks (SIGKILL to those still running in "
-                << o.stop_grace_s << " s, --stop-grace-s)\n";
-      // The ranks finish a step and save a checkpoint, which takes its time: --stop-grace-s (120 s) is for that.
-      // Ranks stuck in a collective (a peer stopped or gone) would never get there: they are killed after it,
-      // as torchrun does. A second signal is forwarded too and makes them exit at once.
-      stop_all(sig == SIGHUP ? SIGTERM : sig);
-      if (forwarded++ == 0) stop_time = std::min(stop_time, std::chrono::steady_clock::now() + std::chrono::seconds(o.stop_grace_s));
-    }
-    for (; handled < g_exited; ++handled) {  // in exit order
-      for (auto& c : children) {
-        if (!c.running || c.pid != g_exited_pid[handled]) continue;
-        const int status = g_exited_status[handled];
-        c.running = false;
-        c.status = status;
-        if (c.out_fd >= 0) {
-          drain(c);
-          if (!c.partial.empty()) emit(c, c.partial), c.partial.clear();
-          if (c.out_fd >= 0) close(c.out_fd);
-          c.out_fd = -1;
-        }
-        if (exit_code(status) != 0 && result == 0) result = exit_code(status);
-        if (exit_code(status) != 0 && !stopping) {
-          std::cerr << "memtrain-run: rank " << c.rank << " (pid " << c.pid << ") " << describe(status)
-                    << "; stopping the other ranks\n";
-          stopping = true;
-          stop_all(SIGTERM);
-          stop_time = std::min(stop_time, std::chrono::steady_clock::now() + std::chrono::seconds(o.grace_s));
-        }
+// Signals each rank's process group that still runs. `handled`: entries of g_exited_* already processed.
+void stop_all(const std::vector<Child>& children, int handled, int sig) {
+  for (auto& c : children) {
+    if (!c.running || c.pid <= 0) continue;
+    // Reaped by the SIGCHLD handler but not yet processed: its pid may already be someone else's.
+    bool reaped = false;
+    for (int i = handled; i < g_exited; ++i) reaped = reaped || g_exited_pid[i] == c.pid;
+    if (!reaped) kill(-c.pid, sig);
+  }
+}
+
+// Output first, so that a failing rank's last words come before the launcher's verdict.
+void relay_output(std::vector<Child>& children) {
+  std::vector<pollfd> fds;
+  for (auto& c : children)
+    if (c.out_fd >= 0) fds.push_back({c.out_fd, POLLIN, 0});
+  if (!fds.empty()) poll(fds.data(), fds.size(), 100);
+  else std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  for (auto& c : children)
+    if (c.out_fd >= 0) drain(c);
+}
+
+// A signal to the launcher: forward it; the children save and exit (a second one: they exit at once).
+void forward_signal(const Options& o, const std::vector<Child>& children, Supervision& s) {
+  const int sig = g_signal;
+  g_signal = 0;
+  std::cerr << "memtrain-run: " << strsignal(sig) << ": forwarding to the ranks (SIGKILL to those still running in "
+            << o.stop_grace_s << " s, --stop-grace-s)\n";
+  // The ranks finish a step and save a checkpoint, which takes its time: --stop-grace-s (120 s) is for that.
+  // Ranks stuck in a collective (a peer stopped or gone) would never get there: they are killed after it,
+  // as torchrun does. A second signal is forwarded too and makes them exit at once.
+  stop_all(children, s.handled, sig == SIGHUP ? SIGTERM : sig);
+  if (s.forwarded++ == 0)
+    s.stop_time = std::min(s.stop_time, std::chrono::steady_clock::now() + std::chrono::seconds(o.stop_grace_s));
+}
+
+// The ranks reaped since the last call, in exit order: the first to fail sets the result and stops the others.
+void process_exits(const Options& o, std::vector<Child>& children, Supervision& s) {
+  for (; s.handled < g_exited; ++s.handled) {  // in exit order
+    for (auto& c : children) {
+      if (!c.running || c.pid != g_exited_pid[s.handled]) continue;
+      const int status = g_exited_status[s.handled];
+      c.running = false;
+      c.status = status;
+      if (c.out_fd >= 0) {
+        drain(c);
+        if (!c.partial.empty()) emit(c, c.partial), c.partial.clear();
+        if (c.out_fd >= 0) close(c.out_fd);
+        c.out_fd = -1;
+      }
+      if (exit_code(status) != 0 && s.result == 0) s.result = exit_code(status);
+      if (exit_code(status) != 0 && !s.stopping) {
+        std::cerr << "memtrain-run: rank " << c.rank << " (pid " << c.pid << ") " << describe(status)
+                  << "; stopping the other ranks\n";
+        s.stopping = true;
+        stop_all(children, s.handled, SIGTERM);
+        s.stop_time = std::min(s.stop_time, std::chrono::steady_clock::now() + std::chrono::seconds(o.grace_s));
       }
     }
+  }
+}
+
+// Relays output, forwards signals and reaps the ranks until none runs; SIGKILL for those left past the grace.
+Supervision supervise(const Options& o, std::vector<Child>& children) {
+  Supervision s;
+  for (;;) {
+    relay_output(children);
+
+    if (g_signal != 0) forward_signal(o, children, s);
+    process_exits(o, children, s);
     bool any_running = false;
     for (const auto& c : children) any_running = any_running || c.running;
     if (!any_running) break;
-    if ((stopping || forwarded > 0) && std::chrono::steady_clock::now() > stop_time) {
-      std::cerr << "memtrain-run: ranks still running " << (stopping ? o.grace_s : o.stop_grace_s)
+    if ((s.stopping || s.forwarded > 0) && std::chrono::steady_clock::now() > s.stop_time) {
+      std::cerr << "memtrain-run: ranks still running " << (s.stopping ? o.grace_s : o.stop_grace_s)
                 << " s after the stop: killing them\n";
-      stop_all(SIGKILL);
-      stop_time = std::chrono::steady_clock::time_point::max();
+      stop_all(children, s.handled, SIGKILL);
+      s.stop_time = std::chrono::steady_clock::time_point::max();
     }
   }
-  if (result != 0 && forwarded == 0) {
-    std::cerr << "memtrain-run: failed with exit code " << result << " (";
+  return s;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  auto o = parse(argc, argv);
+  if (o.master_port == 0) o.master_port = free_port(o.master_addr);
+  const int world = o.nnodes * o.nproc;
+  if (!o.log_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(o.log_dir, ec);
+    if (ec) {
+      std::cerr << "memtrain-run: cannot create --log-dir '" << o.log_dir << "': " << ec.message() << "\n";
+      return 1;
+    }
+  }
+
+  install_signal_handlers();
+  if (o.nproc > kMaxChildren) usage_error("--nproc-per-node above " + std::to_string(kMaxChildren));
+
+  std::vector<Child> children(static_cast<size_t>(o.nproc));
+  if (const int failed = start_ranks(o, world, children); failed != 0) return failed;
+  open_log_files(o, children);
+
+  const auto s = supervise(o, children);
+  if (s.result != 0 && s.forwarded == 0) {
+    std::cerr << "memtrain-run: failed with exit code " << s.result << " (";
     for (size_t i = 0; i < children.size(); ++i)
       std::cerr << (i ? ", " : "") << "rank " << children[i].rank << ": " << exit_code(children[i].status);
     std::cerr << ")\n";
   }
-  return result;
+  return s.result;
 }

@@ -75,7 +75,18 @@ void restore_version(const torch::Tensor& t, uint32_t version) {
   auto counter = torch::autograd::impl::version_counter(t);  // a handle on the shared counter
   counter.set_version(version);
 }
+
+// The bucket size bucket_mib asks for, in bytes.
+int64_t bucket_bytes_of(const DataParallelOptions& options) {
+  return static_cast<int64_t>(options.bucket_mib * 1024 * 1024);
+}
 }  // namespace
+
+// While the buckets are built: each bucket's parameters and their names, in bucket order.
+struct DataParallel::BucketMembers {
+  std::vector<std::vector<torch::Tensor>> params;
+  std::vector<std::vector<std::string>> names;
+};
 
 DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
                            const std::vector<std::pair<std::string, torch::Tensor>>& named_params,
@@ -88,19 +99,30 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
   MEMTRAIN_CHECK(options_.bucket_mib > 0, ConfigError, "[config] dist.bucket_mib = ", options_.bucket_mib,
                  ": expected > 0");
   MEMTRAIN_CHECK(!named_params.empty(), Error, "[dist] data parallelism needs at least one trainable parameter");
-  const int64_t n = group_->size(), rank = group_->rank();
-  const auto device = named_params.front().second.device();
-  device_ = device;
-  const auto bucket_bytes = static_cast<int64_t>(options_.bucket_mib * 1024 * 1024);
+  device_ = named_params.front().second.device();
   const bool zero3 = options_.stage == 3;
   if (zero3 || options_.reduce_every_micro_batch) options_.reduce_every_micro_batch = true;  // stage 3: no full gradients kept
 
-  // 1. Assign parameters to buckets, last registered first (backward's order): consecutive runs of one
-  //    dtype, closed at bucket_mib. A bucket fills while backward goes on, so it can be reduced (and, in
-  //    stage 2, freed) long before backward ends. Stage 3: buckets never span two units (a unit is gathered
-  //    as its buckets), the last block's first and the root's last (its tied embedding's gradient completes at
-  //    the very end of backward). A bucket's parameters are freed as soon as it is complete: with buckets
-  //    smaller than a block, part of a block's storage goes before the rest of its backward has run.
+  // Collective: every rank builds the same buckets and broadcasts them in the same order (2, then 2b).
+  const auto members = assign_buckets(named_params);              // 1. parameters to buckets, backward's order
+  build_flat_storage(members);                                    // 2. parameters become views of flat storage
+  if (zero3 && !options_.frozen.empty()) build_frozen_buckets();  // 2b. stage 3: what does not train
+  bytes_uncounted_ = group_->bytes_communicated();  // the initial broadcast is not a training step's traffic
+  backward_prefetched_.assign(unit_buckets_.size(), false);  // a backward outside a micro-batch (a probe) uses it too
+  register_gradient_hooks();                                      // 3. "this gradient is complete"
+}
+
+// 1. Assign parameters to buckets, last registered first (backward's order): consecutive runs of one
+//    dtype, closed at bucket_mib. A bucket fills while backward goes on, so it can be reduced (and, in
+//    stage 2, freed) long before backward ends. Stage 3: buckets never span two units (a unit is gathered
+//    as its buckets), the last block's first and the root's last (its tied embedding's gradient completes at
+//    the very end of backward). A bucket's parameters are freed as soon as it is complete: with buckets
+//    smaller than a block, part of a block's storage goes before the rest of its backward has run.
+DataParallel::BucketMembers DataParallel::assign_buckets(
+    const std::vector<std::pair<std::string, torch::Tensor>>& named_params) {
+  const auto device = device_;
+  const auto bucket_bytes = bucket_bytes_of(options_);
+  const bool zero3 = options_.stage == 3;
   std::vector<size_t> order;  // indices into named_params
   std::vector<int64_t> unit_of(named_params.size(), 0);
   if (zero3) {
@@ -118,8 +140,9 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
   } else {
     for (size_t i = named_params.size(); i-- > 0;) order.push_back(i);
   }
-  std::vector<std::vector<torch::Tensor>> members;
-  std::vector<std::vector<std::string>> member_names;
+  BucketMembers bucket_members;
+  auto& members = bucket_members.params;
+  auto& member_names = bucket_members.names;
   for (auto i : order) {
     const auto& [name, p] = named_params[i];
     MEMTRAIN_CHECK(p.device() == device, Error, "[dist] parameter '", name, "' is on ", p.device(),
@@ -143,9 +166,17 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
     members.back().push_back(p);
     member_names.back().push_back(name);
   }
+  return bucket_members;
+}
 
-  // 2. Flat storage: parameters become views into it (same TensorImpl: autograd and hooks see the same
-  //    leaves), replicated from rank 0 so that every rank starts from the same weights.
+// 2. Flat storage: parameters become views into it (same TensorImpl: autograd and hooks see the same
+//    leaves), replicated from rank 0 so that every rank starts from the same weights.
+void DataParallel::build_flat_storage(const BucketMembers& bucket_members) {
+  const int64_t n = group_->size(), rank = group_->rank();
+  const auto device = device_;
+  const bool zero3 = options_.stage == 3;
+  const auto& members = bucket_members.params;
+  const auto& member_names = bucket_members.names;
   for (size_t k = 0; k < buckets_.size(); ++k) {
     auto& b = *buckets_[k];
     const int64_t unit = n * std::max<int64_t>(1, options_.align);
@@ -204,68 +235,72 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
     }
     attach_reduced(b);
   }
-  // 2b. Stage 3, what does not train: the same packing per unit (last block first), flat storage replicated
-  //     from rank 0, this rank's part kept, the rest freed. No gradient, reduction or optimizer state.
-  if (zero3 && !options_.frozen.empty()) {
-    const int64_t blocks = static_cast<int64_t>(unit_buckets_.size()) - 1;
-    for (int64_t u = blocks - 1; u >= -1; --u) {
-      const auto unit = u < 0 ? blocks : u;
-      std::vector<size_t> mine;
-      for (size_t i = options_.frozen.size(); i-- > 0;)
-        if (options_.frozen_units[i] == u) mine.push_back(i);
-      Bucket* b = nullptr;
-      std::vector<size_t> members_of;
-      auto close = [&] {
-        if (!b) return;
-        b->size = (b->size + n - 1) / n * n;
-        b->shard = b->size / n;
-        b->flat = torch::zeros({b->size}, b->params.front().options().requires_grad(false));  // (size,) param dtype
-        torch::NoGradGuard no_grad;
-        const auto k = static_cast<int64_t>(frozen_buckets_.size() - 1);
-        for (size_t j = 0; j < b->params.size(); ++j) {
-          auto p = b->params[j];
-          auto view = b->flat.narrow(0, b->offsets[j], p.numel()).view(p.sizes());
-          view.copy_(p.detach());
-          p.set_data(view);
-          const auto& name = options_.frozen[members_of[j]].first;
-          frozen_index_.push_back({name, k, b->offsets[j], p.sizes().vec()});
-        }
-        group_->broadcast(b->flat, 0);
-        b->part = part(b->flat, rank, b->shard).clone();  // (shard,) param dtype: all that stays between uses
-        resize_storage(b->flat, 0);
-        const int64_t lo = rank * b->shard, hi = lo + b->shard;
-        for (size_t j = 0; j < b->params.size(); ++j) {
-          const int64_t from = std::max(lo, b->offsets[j]), to = std::min(hi, b->offsets[j] + b->params[j].numel());
-          if (from < to)
-            frozen_segments_.push_back({options_.frozen[members_of[j]].first, from - b->offsets[j], to - b->offsets[j],
-                                        b->part.narrow(0, from - lo, to - from)});
-        }
-        b = nullptr;
-        members_of.clear();
-      };
-      for (auto i : mine) {
-        const auto& p = options_.frozen[i].second;
-        MEMTRAIN_CHECK(p.device() == device, Error, "[dist] parameter '", options_.frozen[i].first, "' is on ", p.device(),
-                       ", the others on ", device);
-        if (!b || b->params.front().scalar_type() != p.scalar_type() || b->size * p.element_size() >= bucket_bytes) {
-          close();
-          frozen_buckets_.push_back(std::make_unique<Bucket>());
-          b = frozen_buckets_.back().get();
-          b->unit = unit;
-          unit_frozen_[static_cast<size_t>(unit)].push_back(frozen_buckets_.size() - 1);
-        }
-        b->offsets.push_back(b->size);
-        b->size += p.numel();
-        b->params.push_back(p);
-        members_of.push_back(i);
-      }
-      close();
-    }
-  }
-  bytes_uncounted_ = group_->bytes_communicated();  // the initial broadcast is not a training step's traffic
-  backward_prefetched_.assign(unit_buckets_.size(), false);  // a backward outside a micro-batch (a probe) uses it too
+}
 
-  // 3. A post-hook on each parameter's gradient accumulator: "this gradient is complete".
+// 2b. Stage 3, what does not train: the same packing per unit (last block first), flat storage replicated
+//     from rank 0, this rank's part kept, the rest freed. No gradient, reduction or optimizer state.
+void DataParallel::build_frozen_buckets() {
+  const int64_t n = group_->size(), rank = group_->rank();
+  const auto device = device_;
+  const auto bucket_bytes = bucket_bytes_of(options_);
+  const int64_t blocks = static_cast<int64_t>(unit_buckets_.size()) - 1;
+  for (int64_t u = blocks - 1; u >= -1; --u) {
+    const auto unit = u < 0 ? blocks : u;
+    std::vector<size_t> mine;
+    for (size_t i = options_.frozen.size(); i-- > 0;)
+      if (options_.frozen_units[i] == u) mine.push_back(i);
+    Bucket* b = nullptr;
+    std::vector<size_t> members_of;
+    auto close = [&] {
+      if (!b) return;
+      b->size = (b->size + n - 1) / n * n;
+      b->shard = b->size / n;
+      b->flat = torch::zeros({b->size}, b->params.front().options().requires_grad(false));  // (size,) param dtype
+      torch::NoGradGuard no_grad;
+      const auto k = static_cast<int64_t>(frozen_buckets_.size() - 1);
+      for (size_t j = 0; j < b->params.size(); ++j) {
+        auto p = b->params[j];
+        auto view = b->flat.narrow(0, b->offsets[j], p.numel()).view(p.sizes());
+        view.copy_(p.detach());
+        p.set_data(view);
+        const auto& name = options_.frozen[members_of[j]].first;
+        frozen_index_.push_back({name, k, b->offsets[j], p.sizes().vec()});
+      }
+      group_->broadcast(b->flat, 0);
+      b->part = part(b->flat, rank, b->shard).clone();  // (shard,) param dtype: all that stays between uses
+      resize_storage(b->flat, 0);
+      const int64_t lo = rank * b->shard, hi = lo + b->shard;
+      for (size_t j = 0; j < b->params.size(); ++j) {
+        const int64_t from = std::max(lo, b->offsets[j]), to = std::min(hi, b->offsets[j] + b->params[j].numel());
+        if (from < to)
+          frozen_segments_.push_back({options_.frozen[members_of[j]].first, from - b->offsets[j], to - b->offsets[j],
+                                      b->part.narrow(0, from - lo, to - from)});
+      }
+      b = nullptr;
+      members_of.clear();
+    };
+    for (auto i : mine) {
+      const auto& p = options_.frozen[i].second;
+      MEMTRAIN_CHECK(p.device() == device, Error, "[dist] parameter '", options_.frozen[i].first, "' is on ", p.device(),
+                     ", the others on ", device);
+      if (!b || b->params.front().scalar_type() != p.scalar_type() || b->size * p.element_size() >= bucket_bytes) {
+        close();
+        frozen_buckets_.push_back(std::make_unique<Bucket>());
+        b = frozen_buckets_.back().get();
+        b->unit = unit;
+        unit_frozen_[static_cast<size_t>(unit)].push_back(frozen_buckets_.size() - 1);
+      }
+      b->offsets.push_back(b->size);
+      b->size += p.numel();
+      b->params.push_back(p);
+      members_of.push_back(i);
+    }
+    close();
+  }
+}
+
+// 3. A post-hook on each parameter's gradient accumulator: "this gradient is complete".
+void DataParallel::register_gradient_hooks() {
   for (size_t k = 0; k < buckets_.size(); ++k) {
     for (auto& p : buckets_[k]->params) {
       auto acc = torch::autograd::impl::grad_accumulator(p);

@@ -41,13 +41,23 @@ std::string first_slurm_host(const std::string& nodelist) {
     depth += ch == '[' ? 1 : ch == ']' ? -1 : 0;
     first += ch;
   }
-  const auto open = first.find('[');
-  if (open == std::string::npos) return first;
-  // prefix[range,...]suffix: the first number of the first range, as written (zero padding kept).
-  const auto range = first.substr(open + 1, first.find_first_of(",]", open) - open - 1);
-  const auto close = first.find(']', open);
-  return first.substr(0, open) + range.substr(0, range.find('-')) +
-         (close == std::string::npos ? std::string() : first.substr(close + 1));
+  // prefix[range,...]infix[range,...]...: Slurm expands every bracket group, and the first host takes the first
+  // number of each group's first range, as written (zero padding kept): rack[1-2]-n[3] -> rack1-n3.
+  std::string host;
+  for (size_t at = 0; at < first.size();) {
+    const auto open = first.find('[', at);
+    if (open == std::string::npos) {
+      host += first.substr(at);
+      break;
+    }
+    host += first.substr(at, open - at);
+    const auto end = first.find_first_of(",-]", open + 1);
+    host += first.substr(open + 1, (end == std::string::npos ? first.size() : end) - open - 1);
+    const auto close = first.find(']', open);
+    if (close == std::string::npos) break;
+    at = close + 1;
+  }
+  return host;
 }
 
 World World::from_env() {

@@ -37,6 +37,8 @@
 #include "memtrain/runtime/export.h"
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/generate.h"
+#include "memtrain/runtime/run_report.h"
+#include "memtrain/runtime/step_time.h"
 #include "memtrain/runtime/target_estimate.h"
 #include "memtrain/runtime/trainer.h"
 
@@ -53,8 +55,9 @@ constexpr const char* kUsage =
     "[--nnodes M] --config X answers for a machine that need not be this one, without building the model (gpt,\n"
     "llama; --model.preset=llama-3.1-8b): each rank's model states, activations in closed form and a GPU's own\n"
     "terms (context, cuBLAS, NCCL, allocator rounding), by ZeRO stage, against the target's memory.\n"
-    "Plan: memtrain plan --target T [--nproc-per-node N] [--nnodes M] [--out plan.ini] --config X lists, best first,\n"
-    "the settings that fit (micro-batch x accumulation, recompute, head, stage, offload) and writes the best as an INI.\n"
+    "Plan: memtrain plan --target T [--nproc-per-node N] [--nnodes M] [--out plan.ini] --config X lists, fastest first,\n"
+    "the settings that fit (micro-batch x accumulation, recompute, head, stage, offload) with each one's predicted step\n"
+    "time and tokens/s, and with --out writes the best as an INI.\n"
     "Evaluate: memtrain eval --config X [--model.init_from=DIR | --weights FILE.safetensors] prints 'val loss L' over\n"
     "the validation windows (train.eval_batches of train.micro_batch) and writes it to <log.dir>/<log.name>-eval/summary.json.\n"
     "Export: memtrain export --checkpoint PATH --out DIR [--dtype float32|bfloat16|float16] [--max-shard-mb N] writes a\n"
@@ -153,6 +156,16 @@ int estimate_target(const memtrain::Config& config, const std::string& target_sp
             << config.memory.recompute << ", head " << config.memory.head << ", ZeRO stage " << config.dist.zero_stage
             << (config.dist.offload_optimizer == "cpu" ? " + offload" : "") << " (the data is not counted: none is read):\n"
             << e.table();
+  // The time model (step_time.h): the same step's predicted time, term by term.
+  const auto speed = memtrain::target_speed(target, config.train.param_dtype == "bf16" || config.train.precision != "fp32");
+  const auto t = memtrain::predict_step(memtrain::step_settings(config, world, nproc_per_node), speed);
+  std::ostringstream time;
+  time << std::fixed << std::setprecision(1) << "step time: predicted " << t.total_s * 1e3 << " ms (compute "
+       << t.compute_s * 1e3 << " with " << t.recompute_s * 1e3 << " recomputing, communication exposed " << t.exposed_s * 1e3
+       << " of " << t.communication_s * 1e3 << ", optimizer " << t.optimizer_s * 1e3 << ", offload " << t.offload_s * 1e3
+       << ", kernel launches " << t.overhead_s * 1e3 << "), " << std::setprecision(0) << t.tokens_per_s
+       << " tokens/s in all\n  speeds: " << speed.source << "\n";
+  std::cout << time.str();
   std::cout << "by ZeRO stage:\n";
   for (int stage = 0; stage <= 3; ++stage) {
     for (bool offload : {false, true}) {
@@ -179,7 +192,7 @@ int plan_target(const memtrain::Config& config, const std::string& target_spec, 
   const auto begin = std::chrono::steady_clock::now();
   const auto target = memtrain::parse_target(target_spec);
   const int world = nproc_per_node * nnodes;
-  const auto plan = memtrain::plan_for_target(config, target, world);
+  const auto plan = memtrain::plan_for_target(config, target, world, nproc_per_node);
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count();
   const int64_t global = config.train.micro_batch * config.train.accum_steps;
   std::cout << "plan for " << world << " x " << target.name << " (" << memtrain::format_bytes(target.bytes) << " each), "
@@ -190,28 +203,26 @@ int plan_target(const memtrain::Config& config, const std::string& target_spec, 
                  ": lower the batch or the context, add ranks, or allow low-bit state (memory.allow_lowbit_optimizer); "
                  "memtrain estimate --target shows each term");
   const auto& best = plan.fitting.front();
-  std::cout << "  #  setting                                                     device peak   host      compute  communication\n";
+  std::cout << "  #  setting                                                     device peak   host       step ms    tokens/s\n";
   const size_t shown = std::min<size_t>(plan.fitting.size(), 12);
   for (size_t i = 0; i < shown; ++i) {
     const auto& c = plan.fitting[i];
-    // Extra compute: the recomputed share of the forward (a third of forward + backward); communication: stage 3
-    // gathers the parameters twice besides the reduce-scatter (1.5x the bytes of stages 0-2), offload adds the
-    // host link's copies (not priced: shown as +host).
-    const double compute = (1 + memtrain::recompute_fraction(c.recompute) / 3) /
-                           (1 + memtrain::recompute_fraction(best.recompute) / 3);
-    const double comm = world == 1 ? 1.0 : (c.stage == 3 ? 1.5 : 1.0) / (best.stage == 3 ? 1.5 : 1.0);
     std::ostringstream line;
-    line << std::fixed << std::setprecision(2) << "  " << std::setw(2) << i + 1 << " " << std::left << std::setw(60)
+    line << std::fixed << std::setprecision(1) << "  " << std::setw(2) << i + 1 << " " << std::left << std::setw(60)
          << c.describe() << std::right << std::setw(11) << memtrain::format_bytes(c.estimate.peak_device()) << "  "
-         << std::setw(9) << memtrain::format_bytes(c.estimate.host.peak()) << "  x" << compute << "    x" << comm
-         << (c.offload ? " +host" : "") << "\n";
+         << std::setw(9) << memtrain::format_bytes(c.estimate.host.peak()) << std::setw(11) << c.step_ms
+         << std::setprecision(0) << std::setw(12) << c.tokens_per_s << "\n";
     std::cout << line.str();
   }
+  std::cout << "predicted by the time model (docs/ESTIMATE.md, \"Step time\"): " << plan.speed_source
+            << "; it leaves out the data loader, evaluation, logging, elementwise kernels' own time on a CPU and "
+               "contention between ranks sharing cores\n";
   auto chosen = config;
-  chosen.train.micro_batch = best.micro_batch, chosen.train.accum_steps = best.accum_steps;
-  chosen.memory.recompute = best.recompute, chosen.memory.head = best.head;
-  chosen.dist.zero_stage = best.stage, chosen.dist.offload_optimizer = best.offload ? "cpu" : "none";
-  if (!best.optimizer.empty()) chosen.train.optimizer = best.optimizer;
+  best.apply_to(chosen);
+  if (out.empty()) {
+    std::cout << "chosen: " << best.describe() << " (memtrain plan ... --out FILE.ini writes it as a config to run)\n";
+    return 0;
+  }
   memtrain::write_file_atomically(out, "# memtrain plan --target " + target_spec + " --nproc-per-node " +
                                            std::to_string(nproc_per_node) + " --nnodes " + std::to_string(nnodes) +
                                            ": " + best.describe() + "\n" + chosen.to_ini());
@@ -227,22 +238,11 @@ int eval(const memtrain::Config& config, const std::map<std::string, std::string
     memtrain::load_module_state(trainer.model(), memtrain::load_safetensors(flags.at("--weights")), flags.at("--weights"));
   const auto e = trainer.validate();
   if (!trainer.world().is_main()) return 0;
-  const auto& l = config.log;
-  const auto name = (l.name.empty() ? (config.source.empty() ? std::string("memtrain")
-                                                              : std::filesystem::path(config.source).stem().string())
-                                    : l.name) + "-eval";
-  const auto dir = std::filesystem::path(l.dir) / name;
-  std::filesystem::create_directories(dir);
-  std::ostringstream json;
-  json << "{\n  \"mode\": \"eval\",\n  \"model\": \"" << trainer.model().describe() << "\",\n  \"init_from\": \""
-       << config.model.init_from << "\",\n  \"weights\": \"" << (flags.count("--weights") ? flags.at("--weights") : "")
-       << "\",\n  \"val_loss\": " << memtrain::format_shortest(e.loss) << ",\n  \"val_samples\": " << e.samples
-       << ",\n  \"val_tokens\": " << e.samples * trainer.model().tokens_per_sample() << "\n}\n";
-  memtrain::write_file_atomically((dir / "summary.json").string(), json.str());
+  const auto summary = memtrain::RunReport::write_evaluation(trainer, e, flags.count("--weights") ? flags.at("--weights") : "");
   std::cout << "model:   " << trainer.model().describe() << "\n"
             << "val loss " << memtrain::format_shortest(e.loss) << " over " << e.samples << " samples"
             << (e.accuracy >= 0 ? ", accuracy " + memtrain::format_shortest(e.accuracy) : std::string()) << "\n"
-            << "summary: " << (dir / "summary.json").string() << "\n";
+            << "summary: " << summary << "\n";
   return 0;
 }
 
@@ -317,11 +317,66 @@ struct Args {
   bool estimate_only = false;
   int estimate_ranks = 0;
   std::string target;                          // estimate --target, plan --target
-  std::string plan_out = "plan.ini";           // plan --out
+  std::string plan_out;                        // plan --out: where the best setting's INI goes ("" = not written)
   int nproc_per_node = 1, nnodes = 1;          // estimate --target's world
   std::string subcommand;                      // "" (train) | estimate | eval | export
   std::map<std::string, std::string> exporting;  // export's flags
 };
+
+// A flag's whole number >= 1 (--ranks, --nproc-per-node, --nnodes); 0 when it is not one.
+int whole_number(const std::string& v) {
+  size_t used = 0;
+  int n = 0;
+  try {
+    n = std::stoi(v, &used);
+  } catch (const std::exception&) {
+  }
+  return used == v.size() && n >= 1 ? n : 0;
+}
+
+// estimate's and plan's flags that take the next word (--target, --nproc-per-node, --nnodes, plan's --out), at
+// argv[i]: i moves to the value. An exit code when the value is missing or wrong.
+std::optional<int> parse_estimate_value(int argc, char** argv, int& i, const std::string& arg, Args& a) {
+  if (i + 1 >= argc) {
+    std::cerr << "memtrain: estimate: " << arg << " needs a value\n";
+    return 2;
+  }
+  const std::string v = argv[++i];
+  if (arg == "--target") {
+    a.target = v;
+    return std::nullopt;
+  }
+  if (arg == "--out") {
+    a.plan_out = v;
+    return std::nullopt;
+  }
+  const int n = whole_number(v);
+  if (n == 0) {
+    std::cerr << "memtrain: estimate: " << arg << " '" << v << "' is not a whole number >= 1\n";
+    return 2;
+  }
+  (arg == "--nnodes" ? a.nnodes : a.nproc_per_node) = n;
+  return std::nullopt;
+}
+
+// One of export's arguments at argv[i]: --merged, or a flag and its value (i moves to it). An exit code when the
+// value is missing or the argument unknown.
+std::optional<int> parse_export_arg(int argc, char** argv, int& i, const std::string& arg, Args& a) {
+  if (arg == "--merged") {
+    a.exporting[arg] = "true";
+  } else if (arg == "--checkpoint" || arg == "--out" || arg == "--dtype" || arg == "--max-shard-mb") {
+    if (i + 1 >= argc) {
+      std::cerr << "memtrain: export: " << arg << " needs a value\n";
+      return 2;
+    }
+    a.exporting[arg] = argv[++i];
+  } else {
+    std::cerr << "memtrain: export: unknown argument '" << arg
+              << "' (memtrain export --checkpoint PATH --out DIR [--dtype float32|bfloat16|float16] [--max-shard-mb N] [--merged])\n";
+    return 2;
+  }
+  return std::nullopt;
+}
 
 // Fills `a`; an exit code when the command line is answered here (--help, a bad word) or wrong.
 std::optional<int> parse_args(int argc, char** argv, Args& a) {
@@ -335,16 +390,6 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
   }
   a.estimate_only = a.subcommand == "estimate" || a.subcommand == "plan";
   const bool estimate_only = a.estimate_only;
-  // A flag's whole number >= 1 (--ranks, --nproc-per-node, --nnodes); 0 when it is not one.
-  auto whole = [](const std::string& v) {
-    size_t used = 0;
-    int n = 0;
-    try {
-      n = std::stoi(v, &used);
-    } catch (const std::exception&) {
-    }
-    return used == v.size() && n >= 1 ? n : 0;
-  };
   for (int i = a.subcommand.empty() ? 1 : 2; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
@@ -357,45 +402,16 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
     }
     if (estimate_only && (arg == "--ranks" || arg.rfind("--ranks=", 0) == 0)) {
       const std::string v = arg == "--ranks" ? (i + 1 < argc ? argv[++i] : "") : arg.substr(8);
-      a.estimate_ranks = whole(v);
+      a.estimate_ranks = whole_number(v);
       if (a.estimate_ranks == 0) {
         std::cerr << "memtrain: estimate: --ranks '" << v << "' is not a whole number >= 1\n";
         return 2;
       }
     } else if (estimate_only && (arg == "--target" || arg == "--nproc-per-node" || arg == "--nnodes" ||
                                  (a.subcommand == "plan" && arg == "--out"))) {
-      if (i + 1 >= argc) {
-        std::cerr << "memtrain: estimate: " << arg << " needs a value\n";
-        return 2;
-      }
-      const std::string v = argv[++i];
-      if (arg == "--target") {
-        a.target = v;
-        continue;
-      }
-      if (arg == "--out") {
-        a.plan_out = v;
-        continue;
-      }
-      const int n = whole(v);
-      if (n == 0) {
-        std::cerr << "memtrain: estimate: " << arg << " '" << v << "' is not a whole number >= 1\n";
-        return 2;
-      }
-      (arg == "--nnodes" ? a.nnodes : a.nproc_per_node) = n;
-    } else if (a.subcommand == "export" && arg == "--merged") {
-      a.exporting[arg] = "true";
-    } else if (a.subcommand == "export" &&
-               (arg == "--checkpoint" || arg == "--out" || arg == "--dtype" || arg == "--max-shard-mb")) {
-      if (i + 1 >= argc) {
-        std::cerr << "memtrain: export: " << arg << " needs a value\n";
-        return 2;
-      }
-      a.exporting[arg] = argv[++i];
-    } else if (a.subcommand == "export") {
-      std::cerr << "memtrain: export: unknown argument '" << arg
-                << "' (memtrain export --checkpoint PATH --out DIR [--dtype float32|bfloat16|float16] [--max-shard-mb N] [--merged])\n";
-      return 2;
+      if (const auto failed = parse_estimate_value(argc, argv, i, arg, a)) return failed;
+    } else if (a.subcommand == "export") {  // export takes only its own arguments
+      if (const auto failed = parse_export_arg(argc, argv, i, arg, a)) return failed;
     } else if (arg == "--print-config") {
       a.print_only = true;
     } else if (arg == "--print-parameters") {

@@ -40,6 +40,63 @@ ModelConfig resolved_model_config(const ModelConfig& c, int64_t vocab) {
   return m;
 }
 
+namespace {
+
+// The run's config, as saved in the manifest (`saved`, its INI text: its model keys already resolved from
+// init_from's config.json), loaded through a temporary file.
+Config load_saved_config(const std::string& saved) {
+  std::error_code ec;
+  const auto ini = (fs::temp_directory_path() / ("memtrain-export-" + std::to_string(::getpid()) + ".ini")).string();
+  // Without init_from: the model keys it resolved are in the saved config, and the folder may be gone.
+  std::istringstream lines(saved);
+  std::string text;
+  for (std::string line; std::getline(lines, line);)
+    if (!line.starts_with("init_from")) text += line + "\n";
+  write_file_atomically(ini, text);
+  Config config;
+  try {
+    config = Config::load(ini);
+  } catch (...) {
+    fs::remove(ini, ec);
+    throw;
+  }
+  fs::remove(ini, ec);
+  return config;
+}
+
+// The tokenizer files beside the exported weights; each file copied is added to out.files.
+void copy_tokenizer_files(const ExportOptions& options, const Config& config, const std::string& init_from,
+                          ExportResult& out) {
+  std::error_code ec;
+  // The tokenizer of the folder the run started from, so that the export is a whole model folder.
+  if (!init_from.empty())
+    for (const char* f : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                          "vocab.json", "merges.txt", "tokenizer.model"})
+      if (fs::is_regular_file(fs::path(init_from) / f, ec)) {
+        fs::copy_file(fs::path(init_from) / f, fs::path(options.out) / f, ec);
+        if (!ec) out.files.push_back((fs::path(options.out) / f).string());
+      }
+  // Or the tokenizer the run's token files were made with (a prepared set, or prepare_tokens.py --tokenizer's
+  // copy beside them), with the config transformers' AutoTokenizer needs to take it as it is.
+  const auto out_tokenizer = fs::path(options.out) / "tokenizer.json";
+  if (!fs::exists(out_tokenizer, ec) && !config.data.tokens.empty()) {
+    const auto& t = config.data.tokens;
+    const bool prepared = t.find('/') == std::string::npos && !fs::path(t).has_extension();
+    const auto beside = prepared ? fs::path(default_data_dir()) / "tokens" / t / "tokenizer.json"
+                                 : fs::path(t).parent_path() / "tokenizer.json";
+    if (fs::is_regular_file(beside, ec) && fs::copy_file(beside, out_tokenizer, ec)) {
+      out.files.push_back(out_tokenizer.string());
+      if (!fs::exists(fs::path(options.out) / "tokenizer_config.json", ec)) {
+        write_file_atomically((fs::path(options.out) / "tokenizer_config.json").string(),
+                              "{\n  \"tokenizer_class\": \"PreTrainedTokenizerFast\"\n}\n");
+        out.files.push_back((fs::path(options.out) / "tokenizer_config.json").string());
+      }
+    }
+  }
+}
+
+}  // namespace
+
 ExportResult export_hugging_face(const ExportOptions& options) {
   std::error_code ec;
   std::string path = options.checkpoint;
@@ -53,22 +110,7 @@ ExportResult export_hugging_face(const ExportOptions& options) {
   const auto ck = load_checkpoint(path);  // every file's checksum and every tensor's pieces checked
   auto field = ck.meta.fields.find("config");
   MEMTRAIN_CHECK(field != ck.meta.fields.end(), DataError, "[export] ", path, ": the manifest holds no config");
-  // The run's config, as saved (its model keys already resolved from init_from's config.json).
-  const auto ini = (fs::temp_directory_path() / ("memtrain-export-" + std::to_string(::getpid()) + ".ini")).string();
-  // Without init_from: the model keys it resolved are in the saved config, and the folder may be gone.
-  std::istringstream lines(field->second);
-  std::string text;
-  for (std::string line; std::getline(lines, line);)
-    if (!line.starts_with("init_from")) text += line + "\n";
-  write_file_atomically(ini, text);
-  Config config;
-  try {
-    config = Config::load(ini);
-  } catch (...) {
-    fs::remove(ini, ec);
-    throw;
-  }
-  fs::remove(ini, ec);
+  const auto config = load_saved_config(field->second);
   const auto init_from = Config::ini_values(field->second)["model.init_from"];
 
   std::map<std::string, torch::Tensor> parameters;  // what trained (model/) and what did not (frozen/)
@@ -97,31 +139,7 @@ ExportResult export_hugging_face(const ExportOptions& options) {
                  "': a checkpoint of model.name = ", config.model.name, " without its embedding");
   const auto model = resolved_model_config(config.model, parameters.at(embedding).size(0));
   out.files = save_hugging_face(options.out, model, parameters, {.dtype = options.dtype, .max_shard_bytes = options.max_shard_bytes});
-  // The tokenizer of the folder the run started from, so that the export is a whole model folder.
-  if (!init_from.empty())
-    for (const char* f : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                          "vocab.json", "merges.txt", "tokenizer.model"})
-      if (fs::is_regular_file(fs::path(init_from) / f, ec)) {
-        fs::copy_file(fs::path(init_from) / f, fs::path(options.out) / f, ec);
-        if (!ec) out.files.push_back((fs::path(options.out) / f).string());
-      }
-  // Or the tokenizer the run's token files were made with (a prepared set, or prepare_tokens.py --tokenizer's
-  // copy beside them), with the config transformers' AutoTokenizer needs to take it as it is.
-  const auto out_tokenizer = fs::path(options.out) / "tokenizer.json";
-  if (!fs::exists(out_tokenizer, ec) && !config.data.tokens.empty()) {
-    const auto& t = config.data.tokens;
-    const bool prepared = t.find('/') == std::string::npos && !fs::path(t).has_extension();
-    const auto beside = prepared ? fs::path(default_data_dir()) / "tokens" / t / "tokenizer.json"
-                                 : fs::path(t).parent_path() / "tokenizer.json";
-    if (fs::is_regular_file(beside, ec) && fs::copy_file(beside, out_tokenizer, ec)) {
-      out.files.push_back(out_tokenizer.string());
-      if (!fs::exists(fs::path(options.out) / "tokenizer_config.json", ec)) {
-        write_file_atomically((fs::path(options.out) / "tokenizer_config.json").string(),
-                              "{\n  \"tokenizer_class\": \"PreTrainedTokenizerFast\"\n}\n");
-        out.files.push_back((fs::path(options.out) / "tokenizer_config.json").string());
-      }
-    }
-  }
+  copy_tokenizer_files(options, config, init_from, out);
   out.checkpoint = path;
   out.step = ck.meta.step;
   return out;

@@ -23,6 +23,13 @@ std::string PlanCandidate::describe() const {
   return o.str();
 }
 
+void PlanCandidate::apply_to(Config& config) const {
+  config.train.micro_batch = micro_batch, config.train.accum_steps = accum_steps;
+  config.memory.recompute = recompute, config.memory.head = head;
+  config.dist.zero_stage = stage, config.dist.offload_optimizer = offload ? "cpu" : "none";
+  if (!optimizer.empty()) config.train.optimizer = optimizer;
+}
+
 double recompute_fraction(const std::string& policy) {
   if (policy == "none") return 0;
   if (policy == "all") return 1;

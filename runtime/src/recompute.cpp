@@ -130,6 +130,106 @@ std::vector<at::Tensor> graph_leaves(const std::vector<at::Tensor>& outputs) {
   return leaves;
 }
 
+// CheckpointFunction::backward's pieces, in its order.
+// The inputs as the forward saw them: none changed in place since, and (memory.offload) their copies still held.
+void check_inputs_unchanged(const RecomputeState& state, const std::string& block) {
+  const auto n_in = state.input_requires_grad.size();
+  // Before the saved inputs are unpacked, so that this message, not autograd's generic one, names it.
+  for (size_t i = 0; i < n_in; ++i) {
+    const auto& counter = state.input_versions[i];
+    if (!counter.enabled()) continue;
+    const auto now = counter.current_version();
+    MEMTRAIN_CHECK(now == state.input_versions_at_forward[i], Error, "[checkpoint] ", block, ": its input ", i,
+                   " was changed in place after checkpoint() recorded it (version ",
+                   state.input_versions_at_forward[i], " before the block ran, ", now,
+                   " at recompute), by the block itself or by the caller: the recompute would see other values "
+                   "than the forward and give a wrong gradient. Change a copy (clone()) instead, or do not "
+                   "checkpoint this block");
+  }
+  MEMTRAIN_CHECK(!state.options.offload || state.offloaded.size() == n_in, Error, "[checkpoint] ", block,
+                 ": its offloaded inputs were freed by an earlier backward through this graph; a second backward "
+                 "(retain_graph = true) is not supported with memory.offload");
+}
+
+// The block's inputs for the recompute, detached, from the saved tensors or (memory.offload) copied back to their
+// devices; the pinned copies are freed.
+std::vector<at::Tensor> recompute_inputs(torch::autograd::AutogradContext* ctx, RecomputeState& state) {
+  const auto n_in = state.input_requires_grad.size();
+  auto saved = ctx->get_saved_variables();
+  std::vector<at::Tensor> x(n_in);
+  for (size_t i = 0; i < n_in; ++i) {
+    auto in = state.options.offload ? state.offloaded[i].to(state.input_devices[i], /*non_blocking=*/true)
+                                    : saved[i];
+    x[i] = in.detach().requires_grad_(state.input_requires_grad[i]);
+  }
+  // The pinned copies are not needed past the device copies just queued: the caching host allocator
+  // records the copy's stream event and reuses a block only after it, so freeing now is safe.
+  state.offloaded.clear();
+  state.offloaded.shrink_to_fit();
+  return x;
+}
+
+// The block run again on `x` with grad enabled, under the forward's generator states and autocast; counted, and
+// (profile_block_activations) its allocations recorded.
+std::vector<at::Tensor> rerun_block(const RecomputeState& state, const std::vector<at::Tensor>& x) {
+  int64_t before = 0;
+  if (g_profile != nullptr) before = read_counters(g_profile->device).allocated;
+
+  std::vector<at::Tensor> outputs;
+  {
+    ReplayForwardRng rng(state.cpu_rng, state.cuda_rng, state.device);
+    torch::AutoGradMode enable_grad(true);
+    AutocastStateGuard autocast(state.autocast);
+    AutocastCacheOff no_cache;
+    outputs = state.fn(x);
+  }
+  g_recomputes.fetch_add(1, std::memory_order_relaxed);
+  if (g_profile != nullptr && state.block_id >= 0 &&
+      state.block_id < static_cast<int64_t>(g_profile->activation_bytes->size())) {
+    (*g_profile->activation_bytes)[state.block_id] = read_counters(g_profile->device).allocated - before;
+    (*g_profile->input_bytes)[state.block_id] = state.input_bytes;
+  }
+  return outputs;
+}
+
+// Gradients for the inputs and every parameter that requires one; the outer engine accumulates them.
+torch::autograd::variable_list block_gradients(const RecomputeState& state, const std::vector<at::Tensor>& x,
+                                               const std::vector<at::Tensor>& outputs,
+                                               const torch::autograd::variable_list& grad_outputs,
+                                               const std::string& block) {
+  const auto n_in = state.input_requires_grad.size();
+  const auto n_params = state.params.size();
+  std::vector<at::Tensor> wrt;
+  std::vector<size_t> slot;  // position in the returned list
+  for (size_t i = 0; i < n_in; ++i)
+    if (state.input_requires_grad[i]) wrt.push_back(x[i]), slot.push_back(i);
+  for (size_t i = 0; i < n_params; ++i)
+    if (state.params[i].requires_grad()) wrt.push_back(state.params[i]), slot.push_back(n_in + i);
+  // A leaf the block uses but was not handed would silently get no gradient: refuse instead.
+  for (const auto& leaf : graph_leaves(outputs)) {
+    auto same = [&](const at::Tensor& t) { return t.is_same(leaf); };
+    const bool known =
+        std::any_of(x.begin(), x.end(), same) || std::any_of(state.params.begin(), state.params.end(), same);
+    MEMTRAIN_CHECK(known, Error, "[checkpoint] ", block, " uses a tensor of shape ", leaf.sizes(),
+                   " that requires grad but was not passed to checkpoint() as a parameter: it would get no "
+                   "gradient. Pass all of the block's parameters (Model::block_parameters).");
+  }
+  std::vector<at::Tensor> outs, grads_in;
+  for (size_t k = 0; k < outputs.size() && k < grad_outputs.size(); ++k) {
+    if (outputs[k].requires_grad() && grad_outputs[k].defined()) {
+      outs.push_back(outputs[k]);
+      grads_in.push_back(grad_outputs[k]);
+    }
+  }
+  torch::autograd::variable_list grads(n_in + n_params + 1);  // inputs..., params..., state (non-tensor)
+  if (!wrt.empty() && !outs.empty()) {
+    auto g = torch::autograd::grad(outs, wrt, grads_in, /*retain_graph=*/false, /*create_graph=*/false,
+                                   /*allow_unused=*/true);
+    for (size_t k = 0; k < g.size(); ++k) grads[slot[k]] = g[k];
+  }
+  return grads;
+}
+
 struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs,
                                                 at::TensorList params, c10::intrusive_ptr<RecomputeState> state) {
@@ -190,83 +290,10 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
                    ": double backward (create_graph = true) through a checkpointed block is not supported; its "
                    "second-order terms would be silently dropped. Run this block without checkpointing "
                    "(memory.recompute = none) to differentiate twice");
-    const auto n_in = state->input_requires_grad.size();
-    // Before the saved inputs are unpacked, so that this message, not autograd's generic one, names it.
-    for (size_t i = 0; i < n_in; ++i) {
-      const auto& counter = state->input_versions[i];
-      if (!counter.enabled()) continue;
-      const auto now = counter.current_version();
-      MEMTRAIN_CHECK(now == state->input_versions_at_forward[i], Error, "[checkpoint] ", block, ": its input ", i,
-                     " was changed in place after checkpoint() recorded it (version ",
-                     state->input_versions_at_forward[i], " before the block ran, ", now,
-                     " at recompute), by the block itself or by the caller: the recompute would see other values "
-                     "than the forward and give a wrong gradient. Change a copy (clone()) instead, or do not "
-                     "checkpoint this block");
-    }
-    MEMTRAIN_CHECK(!state->options.offload || state->offloaded.size() == n_in, Error, "[checkpoint] ", block,
-                   ": its offloaded inputs were freed by an earlier backward through this graph; a second backward "
-                   "(retain_graph = true) is not supported with memory.offload");
-    auto saved = ctx->get_saved_variables();
-    std::vector<at::Tensor> x(n_in);
-    for (size_t i = 0; i < n_in; ++i) {
-      auto in = state->options.offload ? state->offloaded[i].to(state->input_devices[i], /*non_blocking=*/true)
-                                       : saved[i];
-      x[i] = in.detach().requires_grad_(state->input_requires_grad[i]);
-    }
-    // The pinned copies are not needed past the device copies just queued: the caching host allocator
-    // records the copy's stream event and reuses a block only after it, so freeing now is safe.
-    state->offloaded.clear();
-    state->offloaded.shrink_to_fit();
-
-    int64_t before = 0;
-    if (g_profile != nullptr) before = read_counters(g_profile->device).allocated;
-
-    std::vector<at::Tensor> outputs;
-    {
-      ReplayForwardRng rng(state->cpu_rng, state->cuda_rng, state->device);
-      torch::AutoGradMode enable_grad(true);
-      AutocastStateGuard autocast(state->autocast);
-      AutocastCacheOff no_cache;
-      outputs = state->fn(x);
-    }
-    g_recomputes.fetch_add(1, std::memory_order_relaxed);
-    if (g_profile != nullptr && state->block_id >= 0 &&
-        state->block_id < static_cast<int64_t>(g_profile->activation_bytes->size())) {
-      (*g_profile->activation_bytes)[state->block_id] = read_counters(g_profile->device).allocated - before;
-      (*g_profile->input_bytes)[state->block_id] = state->input_bytes;
-    }
-
-    // Gradients for the inputs and every parameter that requires one; the outer engine accumulates them.
-    const auto n_params = state->params.size();
-    std::vector<at::Tensor> wrt;
-    std::vector<size_t> slot;  // position in the returned list
-    for (size_t i = 0; i < n_in; ++i)
-      if (state->input_requires_grad[i]) wrt.push_back(x[i]), slot.push_back(i);
-    for (size_t i = 0; i < n_params; ++i)
-      if (state->params[i].requires_grad()) wrt.push_back(state->params[i]), slot.push_back(n_in + i);
-    // A leaf the block uses but was not handed would silently get no gradient: refuse instead.
-    for (const auto& leaf : graph_leaves(outputs)) {
-      auto same = [&](const at::Tensor& t) { return t.is_same(leaf); };
-      const bool known =
-          std::any_of(x.begin(), x.end(), same) || std::any_of(state->params.begin(), state->params.end(), same);
-      MEMTRAIN_CHECK(known, Error, "[checkpoint] ", block, " uses a tensor of shape ", leaf.sizes(),
-                     " that requires grad but was not passed to checkpoint() as a parameter: it would get no "
-                     "gradient. Pass all of the block's parameters (Model::block_parameters).");
-    }
-    std::vector<at::Tensor> outs, grads_in;
-    for (size_t k = 0; k < outputs.size() && k < grad_outputs.size(); ++k) {
-      if (outputs[k].requires_grad() && grad_outputs[k].defined()) {
-        outs.push_back(outputs[k]);
-        grads_in.push_back(grad_outputs[k]);
-      }
-    }
-    torch::autograd::variable_list grads(n_in + n_params + 1);  // inputs..., params..., state (non-tensor)
-    if (!wrt.empty() && !outs.empty()) {
-      auto g = torch::autograd::grad(outs, wrt, grads_in, /*retain_graph=*/false, /*create_graph=*/false,
-                                     /*allow_unused=*/true);
-      for (size_t k = 0; k < g.size(); ++k) grads[slot[k]] = g[k];
-    }
-    return grads;
+    check_inputs_unchanged(*state, block);
+    const auto x = recompute_inputs(ctx, *state);
+    const auto outputs = rerun_block(*state, x);
+    return block_gradients(*state, x, outputs, grad_outputs, block);
   }
 };
 

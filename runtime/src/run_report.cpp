@@ -89,6 +89,23 @@ std::vector<MemoryTracker::Summary> gather_memory_summaries(Trainer& t) {
 
 std::string RunReport::metrics_file(const std::string& run_dir) { return (fs::path(run_dir) / "metrics.jsonl").string(); }
 std::string RunReport::summary_file(const std::string& run_dir) { return (fs::path(run_dir) / "summary.json").string(); }
+std::string RunReport::run_dir(const std::string& log_dir, const std::string& log_name, const std::string& config_source) {
+  const auto name = !log_name.empty() ? log_name : config_source.empty() ? std::string("run") : fs::path(config_source).stem().string();
+  return (fs::path(log_dir) / name).string();
+}
+std::string RunReport::write_evaluation(Trainer& trainer, const EvalResult& e, const std::string& weights) {
+  const auto& config = trainer.config();
+  const auto dir = fs::path(trainer.run_dir() + "-eval");
+  fs::create_directories(dir);
+  std::ostringstream json;
+  json << "{\n  \"mode\": \"eval\",\n  \"model\": \"" << trainer.model().describe() << "\",\n  \"init_from\": \""
+       << config.model.init_from << "\",\n  \"weights\": \"" << weights << "\",\n  \"val_loss\": " << format_shortest(e.loss)
+       << ",\n  \"val_samples\": " << e.samples << ",\n  \"val_tokens\": " << e.samples * trainer.model().tokens_per_sample()
+       << "\n}\n";
+  const auto path = summary_file(dir.string());
+  write_file_atomically(path, json.str());
+  return path;
+}
 std::string RunReport::config_file(const std::string& run_dir) { return (fs::path(run_dir) / "config.ini").string(); }
 std::string RunReport::memory_file(const std::string& run_dir, int rank) {
   return (fs::path(run_dir) / ("memory.rank" + std::to_string(rank) + ".jsonl")).string();

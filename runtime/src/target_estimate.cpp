@@ -8,6 +8,7 @@
 #include "memtrain/core/error.h"
 #include "memtrain/core/memory_tracker.h"
 #include "memtrain/runtime/factories.h"
+#include "memtrain/runtime/step_time.h"
 
 namespace memtrain {
 
@@ -125,8 +126,10 @@ std::vector<std::string> TargetPlan::overrides(const PlanCandidate& c) const {
   return o;
 }
 
-TargetPlan plan_for_target(const Config& config, const Target& target, int world) {
+TargetPlan plan_for_target(const Config& config, const Target& target, int world, int nproc_per_node) {
   TargetPlan plan;
+  const auto speed = target_speed(target, config.train.param_dtype == "bf16" || config.train.precision != "fp32");
+  plan.speed_source = speed.source;
   const auto& t = config.train;
   const int64_t global = t.micro_batch * t.accum_steps;  // per rank
   std::vector<int64_t> micro;
@@ -154,16 +157,14 @@ TargetPlan plan_for_target(const Config& config, const Target& target, int world
                               .stage = offload && world == 1 ? 1 : stage, .offload = offload, .optimizer = optimizers[o],
                               .lowbit_rank = static_cast<int>(o), .estimate = {}};
               auto v = config;
-              v.train.micro_batch = c.micro_batch, v.train.accum_steps = c.accum_steps;
-              v.memory.recompute = policy, v.memory.head = head;
-              v.dist.zero_stage = c.stage, v.dist.offload_optimizer = offload ? "cpu" : "none";
-              if (!c.optimizer.empty()) v.train.optimizer = c.optimizer;
+              c.apply_to(v);
               const auto e = estimate_for_target(v, target, world);
               ++plan.considered;
               c.estimate = e.states;
               // The device terms go in the estimate's peak as the planner reads it.
               c.estimate.device.activations += e.device_peak() - e.states.peak_device();
-              c.step_ms = plan_step_cost(mb, global / mb, recompute_fraction(policy), c.stage, 0.1, offload);
+              const auto time = predict_step(step_settings(v, world, nproc_per_node > 0 ? nproc_per_node : world), speed);
+              c.step_ms = time.total_s * 1e3, c.tokens_per_s = time.tokens_per_s;
               if (c.estimate.peak_device() <= usable) fitting.push_back(c);
             }
     if (!fitting.empty()) break;  // fewer bits only where nothing with more fits

@@ -34,17 +34,17 @@ namespace fs = std::filesystem;
 void end_backward_span(TraceBlocks* t);  // trainer_setup.cpp
 
 namespace {
-std::vector<torch::Tensor> floating_buffers(torch::nn::Module& module) {
-  std::vector<torch::Tensor> out;
-  for (const auto& b : module.buffers())
-    if (b.is_floating_point()) out.push_back(b);
+std::vector<torch::Tensor> all_buffers(torch::nn::Module& module) {
+  // Every buffer, integer ones too: a probe's forward in training mode also counts BatchNorm's num_batches_tracked.
+  auto out = module.buffers();
+  out.erase(std::remove_if(out.begin(), out.end(), [](const torch::Tensor& b) { return !b.defined(); }), out.end());
   return out;
 }
 }  // namespace
 
-void FloatingBuffers::save(torch::nn::Module& module) {
+void ModelBuffers::save(torch::nn::Module& module) {
   torch::NoGradGuard no_grad;
-  const auto buffers = floating_buffers(module);
+  const auto buffers = all_buffers(module);
   if (saved_.size() != buffers.size()) {
     saved_.clear();
     for (const auto& b : buffers) saved_.push_back(torch::empty_like(b));
@@ -52,10 +52,10 @@ void FloatingBuffers::save(torch::nn::Module& module) {
   if (!buffers.empty()) torch::_foreach_copy_(saved_, buffers);
 }
 
-void FloatingBuffers::restore(torch::nn::Module& module) {
+void ModelBuffers::restore(torch::nn::Module& module) {
   if (saved_.empty()) return;
   torch::NoGradGuard no_grad;
-  auto buffers = floating_buffers(module);
+  auto buffers = all_buffers(module);
   torch::_foreach_copy_(buffers, saved_);
 }
 

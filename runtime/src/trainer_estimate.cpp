@@ -72,7 +72,7 @@ void clamp_probe_times(ActivationProbe& p) {
 int64_t Trainer::probe_activations(int64_t micro_batch, bool keep_grads, double* ms) {
   const c10::Device measured = memory_device();
   // What the probe's forward changes besides gradients: BatchNorm's running statistics (restored after).
-  FloatingBuffers saved;
+  ModelBuffers saved;
   saved.save(*model_);
   auto clear_grads = [&] {
     model_->zero_grad(/*set_to_none=*/true);
@@ -176,14 +176,56 @@ int64_t Trainer::budget_bytes() const {
   return in_use + static_cast<int64_t>(0.9 * static_cast<double>(free));
 }
 
+// memory.budget_mib: the settings the planner tries, and what its step times need.
+struct Trainer::PlanKnobs {
+  int64_t global = 0;                   // the global batch: train.micro_batch x train.accum_steps
+  std::vector<int64_t> micro;           // micro-batches dividing it, largest first
+  std::vector<std::string> policies;    // memory.recompute
+  std::vector<std::string> heads;       // memory.head
+  std::vector<int> stages;              // dist.zero_stage
+  bool configured_offload = false;      // dist.offload_optimizer = cpu as configured
+  std::vector<bool> offloads;           // dist.offload_optimizer = cpu or not
+  double cpu_update_ns = 0;             // CUDA: the CPU update timed here (offload's step time)
+  std::vector<std::string> optimizers;  // train.optimizer: "" as configured, then low-bit moments
+};
+
 void Trainer::plan_to_budget() {
-  auto& t = config_.train;
-  auto& m = config_.memory;
   // Rank 0's budget for every rank (memory.budget_mib = auto reads each machine's free memory).
   plan_budget_ = agreement().from_rank0({budget_bytes()}).front();
   const bool sharded = this->sharded(world_.world_size);
   MEMTRAIN_CHECK(device_.is_cuda() || cpu_memory::installed(), Error,
                  "[planner] memory.budget_mib on CPU needs memtrain::cpu_memory::install() at the start of main()");
+  const auto knobs = plan_knobs();
+  const int64_t global = knobs.global;
+  const auto& micro = knobs.micro;
+
+  // One probe per (policy, head) at two small micro-batches; bytes and times extrapolate along their lines.
+  // The smallest candidate is probed itself (per-micro-batch costs do not extrapolate down well: measured),
+  // the larger ones extrapolate from it and a quarter of the global batch.
+  const int64_t p0 = micro.back();
+  int64_t p1 = std::max<int64_t>(p0, global / 4);
+  if (p1 == p0 && global > p0) p1 = micro[micro.size() >= 2 ? micro.size() - 2 : 0];
+  const bool timed = world_.world_size == 1;  // several ranks: every rank must reach the same plan, untimed
+  plan_candidates_.clear();
+  std::vector<std::pair<std::string, std::string>> pairs;
+  for (const auto& policy : knobs.policies)
+    for (const auto& head : knobs.heads) pairs.emplace_back(policy, head);
+  // GPT and Llama: each candidate's activations in closed form, at its own micro-batch; probes only for the times
+  // (one process). Other models: the probes' bytes too.
+  const bool closed = closed_form_applies();
+  std::vector<ActivationProbe> probes(pairs.size());
+  if (!closed || timed) probes = probe_settings(pairs, p0, p1, !sharded, timed);
+  for (size_t k = 0; k < pairs.size(); ++k) {
+    const auto& [policy, head] = pairs[k];
+    add_plan_candidates(knobs, policy, head, probes[k], closed, sharded, timed);
+  }
+  const auto chosen = agreed_choice(plan_candidates_, plan_budget_, timed, "");
+  apply_chosen_plan(chosen);
+}
+
+Trainer::PlanKnobs Trainer::plan_knobs() const {
+  const auto& t = config_.train;
+  const auto& m = config_.memory;
   // The knobs: micro-batches dividing the global batch (largest first), recompute policies, heads, stages.
   const int64_t global = t.micro_batch * t.accum_steps;
   std::vector<int64_t> micro;
@@ -207,76 +249,73 @@ void Trainer::plan_to_budget() {
   std::vector<std::string> optimizers = {""};
   if (m.allow_lowbit_optimizer && (t.optimizer == "adamw" || t.optimizer == "adamw_loop"))
     optimizers = {"", "adamw8bit", "adamw4bit"};
+  return PlanKnobs{.global = global,
+                   .micro = std::move(micro),
+                   .policies = std::move(policies),
+                   .heads = std::move(heads),
+                   .stages = std::move(stages),
+                   .configured_offload = configured_offload,
+                   .offloads = std::move(offloads),
+                   .cpu_update_ns = cpu_update_ns,
+                   .optimizers = std::move(optimizers)};
+}
 
-  // One probe per (policy, head) at two small micro-batches; bytes and times extrapolate along their lines.
-  // The smallest candidate is probed itself (per-micro-batch costs do not extrapolate down well: measured),
-  // the larger ones extrapolate from it and a quarter of the global batch.
-  const int64_t p0 = micro.back();
-  int64_t p1 = std::max<int64_t>(p0, global / 4);
-  if (p1 == p0 && global > p0) p1 = micro[micro.size() >= 2 ? micro.size() - 2 : 0];
-  const bool timed = world_.world_size == 1;  // several ranks: every rank must reach the same plan, untimed
-  plan_candidates_.clear();
-  std::vector<std::pair<std::string, std::string>> pairs;
-  for (const auto& policy : policies)
-    for (const auto& head : heads) pairs.emplace_back(policy, head);
-  // GPT and Llama: each candidate's activations in closed form, at its own micro-batch; probes only for the times
-  // (one process). Other models: the probes' bytes too.
-  const bool closed = closed_form_applies();
-  std::vector<ActivationProbe> probes(pairs.size());
-  if (!closed || timed) probes = probe_settings(pairs, p0, p1, !sharded, timed);
-  for (size_t k = 0; k < pairs.size(); ++k) {
-    const auto& [policy, head] = pairs[k];
-    const auto& pr = probes[k];
-    for (auto mb : micro) {
-      for (const bool offload : offloads) {
-        for (int stage : stages) {
-          for (size_t o = 0; o < optimizers.size(); ++o) {
-            // Offload needs a sharded optimizer (stage >= 1); in one process, a group of one at stage 1.
-            if (offload && stage == 0) {
-              if (world_.world_size > 1) continue;
-              stage = 1;
-            }
-            auto in = estimate_inputs(world_.world_size, optimizers[o].empty() ? t.optimizer : optimizers[o]);
-            in.micro_batch = mb, in.accum_steps = global / mb, in.stage = stage, in.budget_bytes = -1;
-            in.offload = offload;
-            in.probe = pr;
-            auto candidate_policy = RecomputePolicy::parse(policy);
-            candidate_policy.offload = m.offload;
-            auto candidate_train = t;
-            auto candidate_dist = config_.dist;
-            candidate_train.accum_steps = global / mb, candidate_dist.zero_stage = stage;
-            candidate_dist.offload_optimizer = offload ? "cpu" : "none";
-            const double reduced = reduced_part_bytes_per_element(candidate_train, candidate_dist, world_.world_size, device_.is_cuda());
-            if (closed) in.probe = closed_form_probe(!sharded, mb, candidate_policy, parse_head_rows(head), reduced);
-            // The later micro-batches of one process find the gradients resident; what their backward adds is
-            // taken as the first micro-batch's (gradients born included): an over-estimate by at most the
-            // gradient bytes, which spares a second probe per setting. (A one-process offload candidate drops
-            // its gradients per bucket: the kept-gradient probe over-estimates it the same way.)
-            if (!sharded) in.probe_dropped = closed ? closed_form_probe(false, mb, candidate_policy, parse_head_rows(head), reduced) : pr;
-            PlanCandidate c{.micro_batch = mb, .accum_steps = global / mb, .recompute = policy, .head = head, .stage = stage,
-                            .offload = offload, .optimizer = optimizers[o], .lowbit_rank = static_cast<int>(o),
-                            .estimate = estimate_memory(in)};
-            const int64_t part = (in.root_elements + std::accumulate(in.block_elements.begin(), in.block_elements.end(),
-                                                                     int64_t{0})) / world_.world_size;
-            c.step_ms = timed ? static_cast<double>(global / mb) * pr.ms_at(mb) +
-                                    (offload && !configured_offload
-                                         ? offload_step_ms(part, in.param_bytes, in.param_bytes, cpu_update_ns)
-                                         : 0.0)
-                              : plan_step_cost(mb, global / mb, recompute_fraction(policy), stage, 0.1,
-                                               offload && !configured_offload);
-            plan_candidates_.push_back(c);
+void Trainer::add_plan_candidates(const PlanKnobs& knobs, const std::string& policy, const std::string& head,
+                                  const ActivationProbe& pr, bool closed, bool sharded, bool timed) {
+  const auto& t = config_.train;
+  const auto& m = config_.memory;
+  const int64_t global = knobs.global;
+  const auto& optimizers = knobs.optimizers;
+  const bool configured_offload = knobs.configured_offload;
+  const double cpu_update_ns = knobs.cpu_update_ns;
+  for (auto mb : knobs.micro) {
+    for (const bool offload : knobs.offloads) {
+      for (int stage : knobs.stages) {
+        for (size_t o = 0; o < optimizers.size(); ++o) {
+          // Offload needs a sharded optimizer (stage >= 1); in one process, a group of one at stage 1.
+          if (offload && stage == 0) {
+            if (world_.world_size > 1) continue;
+            stage = 1;
           }
+          auto in = estimate_inputs(world_.world_size, optimizers[o].empty() ? t.optimizer : optimizers[o]);
+          in.micro_batch = mb, in.accum_steps = global / mb, in.stage = stage, in.budget_bytes = -1;
+          in.offload = offload;
+          in.probe = pr;
+          auto candidate_policy = RecomputePolicy::parse(policy);
+          candidate_policy.offload = m.offload;
+          auto candidate_train = t;
+          auto candidate_dist = config_.dist;
+          candidate_train.accum_steps = global / mb, candidate_dist.zero_stage = stage;
+          candidate_dist.offload_optimizer = offload ? "cpu" : "none";
+          const double reduced = reduced_part_bytes_per_element(candidate_train, candidate_dist, world_.world_size, device_.is_cuda());
+          if (closed) in.probe = closed_form_probe(!sharded, mb, candidate_policy, parse_head_rows(head), reduced);
+          // The later micro-batches of one process find the gradients resident; what their backward adds is
+          // taken as the first micro-batch's (gradients born included): an over-estimate by at most the
+          // gradient bytes, which spares a second probe per setting. (A one-process offload candidate drops
+          // its gradients per bucket: the kept-gradient probe over-estimates it the same way.)
+          if (!sharded) in.probe_dropped = closed ? closed_form_probe(false, mb, candidate_policy, parse_head_rows(head), reduced) : pr;
+          PlanCandidate c{.micro_batch = mb, .accum_steps = global / mb, .recompute = policy, .head = head, .stage = stage,
+                          .offload = offload, .optimizer = optimizers[o], .lowbit_rank = static_cast<int>(o),
+                          .estimate = estimate_memory(in)};
+          const int64_t part = (in.root_elements + std::accumulate(in.block_elements.begin(), in.block_elements.end(),
+                                                                   int64_t{0})) / world_.world_size;
+          c.step_ms = timed ? static_cast<double>(global / mb) * pr.ms_at(mb) +
+                                  (offload && !configured_offload
+                                       ? offload_step_ms(part, in.param_bytes, in.param_bytes, cpu_update_ns)
+                                       : 0.0)
+                            : plan_step_cost(mb, global / mb, recompute_fraction(policy), stage, 0.1,
+                                             offload && !configured_offload);
+          plan_candidates_.push_back(c);
         }
       }
     }
   }
-  const auto chosen = agreed_choice(plan_candidates_, plan_budget_, timed, "");
-  t.micro_batch = chosen.micro_batch, t.accum_steps = chosen.accum_steps;
-  data_->set_accum_steps(t.accum_steps);
-  m.recompute = chosen.recompute, m.head = chosen.head;
-  config_.dist.zero_stage = chosen.stage;
-  config_.dist.offload_optimizer = chosen.offload ? "cpu" : "none";
-  if (!chosen.optimizer.empty()) t.optimizer = chosen.optimizer;
+}
+
+// Writes the chosen plan into config_ (the buckets do not exist yet) and the data's accumulation.
+void Trainer::apply_chosen_plan(const PlanCandidate& chosen) {
+  chosen.apply_to(config_);
+  data_->set_accum_steps(config_.train.accum_steps);
   plan_lowbit_rank_ = chosen.lowbit_rank;
 }
 
@@ -352,9 +391,8 @@ void Trainer::correct_plan(int64_t measured_peak) {
   preface << "memory: step peak " << format_bytes(measured_peak) << " is over memory.budget_mib; activations were "
           << "under-estimated by x" << scale << ", so the plan is made again:\n";
   const auto chosen = agreed_choice(same_stage, plan_budget_, world_.world_size == 1, preface.str());
-  config_.train.micro_batch = chosen.micro_batch, config_.train.accum_steps = chosen.accum_steps;
+  chosen.apply_to(config_);  // the same stage, offload and optimizer: only the batch split, recompute and head change
   data_->set_accum_steps(config_.train.accum_steps);
-  config_.memory.recompute = chosen.recompute, config_.memory.head = chosen.head;
   policy_ = RecomputePolicy::parse(chosen.recompute);
   policy_.offload = config_.memory.offload;
   head_rows_ = parse_head_rows(chosen.head);

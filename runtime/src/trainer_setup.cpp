@@ -13,6 +13,7 @@
 #include "memtrain/core/error.h"
 #include "memtrain/runtime/device.h"
 #include "memtrain/runtime/factories.h"
+#include "memtrain/runtime/run_report.h"
 #include "memtrain/runtime/trainer.h"
 #include "step_flags.h"
 
@@ -270,9 +271,7 @@ void Trainer::setup_tracker() {
 }
 
 void Trainer::setup_outputs() {
-  auto name = config_.log.name;
-  if (name.empty()) name = config_.source.empty() ? "run" : fs::path(config_.source).stem().string();
-  run_dir_ = (fs::path(config_.log.dir) / name).string();
+  run_dir_ = RunReport::run_dir(config_.log.dir, config_.log.name, config_.source);
   ckpt_dir_ = config_.checkpoint.dir.empty() ? (fs::path(run_dir_) / "checkpoints").string() : config_.checkpoint.dir;
   apply_memory_limit(config_.memory.limit_mib, config_.memory.gc_threshold, device_);
 }

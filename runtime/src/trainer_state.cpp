@@ -326,58 +326,12 @@ void Trainer::say_resumed(const std::string& path, const LoadedCheckpoint& ck, d
 }
 
 void Trainer::resume_or_refuse() {
-  const auto& ck = config_.checkpoint;
   const bool main = world_.is_main();
-  const auto metrics = fs::path(RunReport::metrics_file(run_dir_));
-  std::string path;
-  if (ck.resume.empty()) {
-    // Every rank looks (a folder local to one node shows the run to its ranks only); all refuse together.
-    const auto existing = list_checkpoints(ckpt_dir_);
-    const bool other_run = fs::exists(metrics) || !existing.empty();
-    const bool refuse = other_run && !config_.log.overwrite;
-    if (!agree(!refuse))
-      throw ConfigError(detail::concat(
-          "[config] the run folder ", run_dir_, " already holds a run (",
-          !refuse ? std::string("seen by another rank")
-                  : existing.empty() ? std::string("metrics.jsonl")
-                                     : std::to_string(existing.size()) + " checkpoint(s) in " + ckpt_dir_,
-          "): continue it with --checkpoint.resume=auto, start over with --log.overwrite=true (its checkpoints are "
-          "deleted), or choose another --log.name"));
-    if (other_run && main) {
-      for (const auto& c : existing) fs::remove_all(c);
-      std::error_code ec;
-      fs::remove(fs::path(ckpt_dir_) / "latest", ec);
-      std::cout << "overwrite:  started over in " << run_dir_ << " (log.overwrite = true)\n";
-    }
-  } else {
-    path = ck.resume == "auto" ? find_latest_checkpoint(ckpt_dir_) : ck.resume;
-    // Every rank looks for itself (a checkpoint folder local to each node): they agree on the step found (-1:
-    // none) before any of them loads, and refuse together when they differ. A rank that started fresh while
-    // the others loaded would leave them all in different collectives.
-    int64_t found = -1;
-    try {
-      if (!path.empty() && fs::is_directory(path)) found = read_manifest(path).step;
-    } catch (const std::exception&) {
-      found = -2;  // unreadable: load_checkpoint below names why
-    }
-    const auto ranks = agreement();
-    const auto lowest = static_cast<int64_t>(ranks.min(static_cast<double>(found)));
-    const auto highest = static_cast<int64_t>(ranks.max(static_cast<double>(found)));
-    if (lowest != highest)
-      throw DataError(detail::concat(
-          "[checkpoint] checkpoint.resume = ", ck.resume, ": the ranks found different checkpoints (this rank, ",
-          world_.rank, ": ", found >= 0 ? "step " + std::to_string(found) + " in " + path : std::string("none"),
-          "; over all ranks the steps range from ", lowest, " to ", highest, ", -1 for none): is ", ckpt_dir_,
-          " a folder every node sees? Nothing was loaded"));
-    MEMTRAIN_CHECK(ck.resume == "auto" || found != -1, ConfigError, "[config] checkpoint.resume = ", path,
-                   ": no such checkpoint folder (expected auto, or the path of a step-N folder)");
-    if (ck.resume == "auto" && found == -1) {
-      if (main)
-        std::cout << "resume:     no checkpoint in " << ckpt_dir_ << ": starting fresh"
-                  << (fs::exists(metrics) ? " (metrics.jsonl is started anew)" : "") << "\n";
-      path.clear();
-    }
-  }
+  std::string path;  // the checkpoint to resume from ("" = start fresh)
+  if (config_.checkpoint.resume.empty())
+    refuse_or_overwrite_run();
+  else
+    path = agreed_resume_path();
   if (path.empty()) return;
   // Every rank reads the checkpoint; a failure on one (a missing file on its node, no host memory) stops
   // them all instead of leaving the others in the first collective.
@@ -405,6 +359,66 @@ void Trainer::resume_or_refuse() {
       std::cout << "            moved " << c << " (newer than the checkpoint resumed from) to " << aside.string() << "\n";
     }
   }
+}
+
+// No checkpoint.resume: a run folder that already holds a run is refused on every rank, or cleared (log.overwrite).
+void Trainer::refuse_or_overwrite_run() {
+  const bool main = world_.is_main();
+  const auto metrics = fs::path(RunReport::metrics_file(run_dir_));
+  // Every rank looks (a folder local to one node shows the run to its ranks only); all refuse together.
+  const auto existing = list_checkpoints(ckpt_dir_);
+  const bool other_run = fs::exists(metrics) || !existing.empty();
+  const bool refuse = other_run && !config_.log.overwrite;
+  if (!agree(!refuse))
+    throw ConfigError(detail::concat(
+        "[config] the run folder ", run_dir_, " already holds a run (",
+        !refuse ? std::string("seen by another rank")
+                : existing.empty() ? std::string("metrics.jsonl")
+                                   : std::to_string(existing.size()) + " checkpoint(s) in " + ckpt_dir_,
+        "): continue it with --checkpoint.resume=auto, start over with --log.overwrite=true (its checkpoints are "
+        "deleted), or choose another --log.name"));
+  if (other_run && main) {
+    for (const auto& c : existing) fs::remove_all(c);
+    std::error_code ec;
+    fs::remove(fs::path(ckpt_dir_) / "latest", ec);
+    std::cout << "overwrite:  started over in " << run_dir_ << " (log.overwrite = true)\n";
+  }
+}
+
+// checkpoint.resume: the checkpoint every rank found ("" = none with `auto`: start fresh); the ranks refuse together
+// when they found different ones.
+std::string Trainer::agreed_resume_path() {
+  const auto& ck = config_.checkpoint;
+  const bool main = world_.is_main();
+  const auto metrics = fs::path(RunReport::metrics_file(run_dir_));
+  std::string path = ck.resume == "auto" ? find_latest_checkpoint(ckpt_dir_) : ck.resume;
+  // Every rank looks for itself (a checkpoint folder local to each node): they agree on the step found (-1:
+  // none) before any of them loads, and refuse together when they differ. A rank that started fresh while
+  // the others loaded would leave them all in different collectives.
+  int64_t found = -1;
+  try {
+    if (!path.empty() && fs::is_directory(path)) found = read_manifest(path).step;
+  } catch (const std::exception&) {
+    found = -2;  // unreadable: load_checkpoint below names why
+  }
+  const auto ranks = agreement();
+  const auto lowest = static_cast<int64_t>(ranks.min(static_cast<double>(found)));
+  const auto highest = static_cast<int64_t>(ranks.max(static_cast<double>(found)));
+  if (lowest != highest)
+    throw DataError(detail::concat(
+        "[checkpoint] checkpoint.resume = ", ck.resume, ": the ranks found different checkpoints (this rank, ",
+        world_.rank, ": ", found >= 0 ? "step " + std::to_string(found) + " in " + path : std::string("none"),
+        "; over all ranks the steps range from ", lowest, " to ", highest, ", -1 for none): is ", ckpt_dir_,
+        " a folder every node sees? Nothing was loaded"));
+  MEMTRAIN_CHECK(ck.resume == "auto" || found != -1, ConfigError, "[config] checkpoint.resume = ", path,
+                 ": no such checkpoint folder (expected auto, or the path of a step-N folder)");
+  if (ck.resume == "auto" && found == -1) {
+    if (main)
+      std::cout << "resume:     no checkpoint in " << ckpt_dir_ << ": starting fresh"
+                << (fs::exists(metrics) ? " (metrics.jsonl is started anew)" : "") << "\n";
+    path.clear();
+  }
+  return path;
 }
 
 bool Trainer::stop_requested() {

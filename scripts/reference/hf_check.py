@@ -1,7 +1,8 @@
 """What transformers computes with a model folder, for the memtrain tests to compare against.
 
     python hf_check.py logits FOLDER TENSORS.safetensors
-        from_pretrained(FOLDER) on TENSORS' `input`; prints `max_abs_diff D max_abs_ref R` against TENSORS' `logits`
+        from_pretrained(FOLDER) on TENSORS' `input`; prints `max_abs_diff D max_abs_ref R` against TENSORS' `logits`,
+        then `stored DTYPES`: the dtypes FOLDER's safetensors files hold, as their headers name them (e.g. F32, BF16)
     python hf_check.py val_loss FOLDER TOKENS T COUNT
         the mean cross-entropy over windows i = 0..COUNT-1 of a headerless uint16 token file: input
         tokens[iT : iT+T], target tokens[iT+1 : iT+T+1] (memtrain's validation windows); prints `val_loss L`
@@ -11,11 +12,14 @@
         transformers' text-generation pipeline (the folder's own tokenizer), greedy, N new tokens; prints the text
         after `text: `
 """
+import glob
+import os
 import sys
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -24,6 +28,16 @@ def load(folder):
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.eval()
     return model
+
+
+def stored_dtypes(folder):
+    """The dtypes of every tensor in the folder's safetensors files, read from their headers (not converted)."""
+    names = set()
+    for path in glob.glob(os.path.join(folder, "*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                names.add(f.get_slice(key).get_dtype())
+    return ",".join(sorted(names)) or "none"
 
 
 def main():
@@ -41,6 +55,7 @@ def main():
             t = load_file(sys.argv[3])
             logits = model(input_ids=t["input"].long()).logits
             print("max_abs_diff %.9g max_abs_ref %.9g" % ((logits - t["logits"]).abs().max().item(), logits.abs().max().item()))
+            print("stored " + stored_dtypes(folder))
         elif what == "val_loss":
             tokens = torch.from_numpy(np.fromfile(sys.argv[3], dtype=np.uint16).astype(np.int64))
             T, count = int(sys.argv[4]), int(sys.argv[5])

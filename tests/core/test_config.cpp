@@ -229,6 +229,16 @@ TEST(Config, PresetBesideAShapeKeyIsAnErrorNamingBoth) {
   EXPECT_NO_THROW(Config::load("", {"--model.preset=gpt2", "--model.dropout=0.1"}));  // not a shape key
 }
 
+TEST(Config, APresetNamesItsFamily) {
+  EXPECT_EQ(Config::load("", {"--model.preset=llama-3.1-8b"}).model.name, "llama");
+  EXPECT_EQ(Config::load("", {"--model.preset=qwen2.5-0.5b", "--model.block_size=64"}).model.name, "llama");
+  EXPECT_EQ(Config::load("", {"--model.preset=gpt2"}).model.name, "gpt");
+  EXPECT_EQ(Config::load("", {"--model.preset=custom"}).model.name, "gpt");  // custom names no family: the default
+  // A name given beside the preset must agree with it.
+  auto msg = error_of([] { Config::load("", {"--model.name=gpt", "--model.preset=llama-3.1-8b"}); });
+  EXPECT_NE(msg.find("model.preset = 'llama-3.1-8b' is not a gpt preset"), std::string::npos) << msg;
+}
+
 TEST(Config, SettingsThatDoNothingWarnOnce) {
   auto has = [](const Config& c, const std::string& text) {
     return std::any_of(c.warnings.begin(), c.warnings.end(),

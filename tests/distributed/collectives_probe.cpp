@@ -1,7 +1,9 @@
 // A rank of a multi-process test (started by memtrain-run or torchrun): checks every collective of
 // memtrain::ProcessGroup against arithmetic, then prints "collectives ok". Environment knobs for the
-// failure tests: PROBE_DIE_RANK=r makes rank r exit at once with code 3 after the rendezvous; PROBE_TIMEOUT_S
-// sets the group's timeout; PROBE_PRINT_PID prints this process's pid first.
+// failure tests: PROBE_DIE_RANK=r makes rank r exit at once with code 3 after the rendezvous (before it, with
+// PROBE_DIE_BEFORE_RENDEZVOUS=1: the others then wait at the store, where nothing tells them of the death, until
+// their timeout or until a launcher stops them); PROBE_TIMEOUT_S sets the group's timeout; PROBE_PRINT_PID prints
+// this process's pid first.
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -15,11 +17,17 @@ int main() {
   try {
     if (std::getenv("PROBE_PRINT_PID")) std::cout << "pid " << getpid() << std::endl;
     auto world = memtrain::World::from_env();
+    const char* die = std::getenv("PROBE_DIE_RANK");
+    const bool dies = die && std::atoi(die) == world.rank;
+    if (dies && std::getenv("PROBE_DIE_BEFORE_RENDEZVOUS")) {
+      std::cout << "dying on purpose" << std::endl;
+      _exit(3);
+    }
     memtrain::ProcessGroupOptions o;
     if (const char* t = std::getenv("PROBE_TIMEOUT_S")) o.timeout = std::chrono::seconds(std::atoi(t));
     auto g = memtrain::ProcessGroup::create(world, o);
     const int r = g->rank(), n = g->size();
-    if (const char* die = std::getenv("PROBE_DIE_RANK"); die && std::atoi(die) == r) {
+    if (dies) {
       std::cout << "dying on purpose" << std::endl;
       _exit(3);  // at once, as a crash would: no destructors closing the group politely
     }

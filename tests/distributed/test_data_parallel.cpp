@@ -367,25 +367,54 @@ TEST(DataParallel, EveryRankTrainsRankZerosPlanWhateverItsOwnBudget) {
 
 TEST(DataParallel, RandomUnevenJobsAtEveryStageAlwaysFinish) {
   // A fuzz of what the data decides: seeded random jobs over stages 0-3 on 2 or 3 ranks, with accumulation,
-  // evaluation points, held-out tails small enough that some ranks get no validation batch, and some jobs
-  // with a learning rate that blows up (non-finite steps, skipped). Every job must end by itself (exit 0, or
-  // train.max_nonfinite's clear stop) well inside its limit: a collective issued by some ranks only would hang
-  // it until dist.timeout_s (30 s) and the shell's timeout.
-  const auto corpus = static_cast<double>(fs::file_size(fs::path(default_data_dir()) / "text" / "austen.txt"));
-  std::mt19937 rng(20261203);
+  // evaluation points, held-out tails small enough that some ranks get no validation batch (or fewer than the
+  // others), and some jobs with a learning rate that blows up (non-finite steps, skipped). Every job must end by
+  // itself (exit 0, or train.max_nonfinite's clear stop for a job that blows up): a collective issued by some ranks
+  // only would hang it until dist.timeout_s (30 s) and fail it with a timeout. No bound on the wall time (the cores
+  // are shared): `timeout 100` only keeps a hang from hanging the suite.
+  // The seed was chosen so that the 8 jobs cover every kind counted below; the counts are asserted, so a change to
+  // the generation that loses a kind fails here instead of passing on easier jobs.
+  const auto corpus = static_cast<int64_t>(fs::file_size(fs::path(default_data_dir()) / "text" / "austen.txt"));
+  constexpr int block = 32, micro_batch = 2, jobs = 8;
+  std::mt19937 rng(20261209);
   auto pick = [&](int n) { return static_cast<int>(rng() % static_cast<unsigned>(n)); };
-  for (int job = 0; job < 8; ++job) {
+  std::map<std::string, int> kinds;
+  for (int job = 0; job < jobs; ++job) {
     const int ranks = 2 + pick(2), stage = pick(4), accum = 1 + pick(2), eval_every = 1 + pick(3);
-    const int tail = 33 + pick(32 * 7);  // held-out bytes: 0 to 6 windows of 32 + 1
+    // Held-out bytes: 34 to 256, 1 to 7 windows of 32 + 1 (validation takes non-overlapping windows every 32 bytes
+    // from the tail's start, dealt round-robin to the ranks). 33 bytes would be refused: the tail must exceed a window.
+    const int tail = 34 + pick(32 * 7 - 1);
     const bool blow_up = pick(4) == 0;
     // Half the jobs read the step flags deferred (log steps apart), skipping on the device; their blow-ups come
     // from the fused AdamW, which is what can skip there.
     const bool deferred = pick(2) == 0;
+    // Each rank's validation batches, by arithmetic: windows r, r + ranks, ... below (tail - 1) / 32, in batches of 2.
+    const int windows = (tail - 1) / block;
+    std::vector<int> batches;
+    for (int r = 0; r < ranks; ++r) {
+      const int mine = windows > r ? (windows - r + ranks - 1) / ranks : 0;
+      batches.push_back((mine + micro_batch - 1) / micro_batch);
+    }
+    const int fewest = *std::min_element(batches.begin(), batches.end());
+    const int most = *std::max_element(batches.begin(), batches.end());
+    ++kinds["stage " + std::to_string(stage)];
+    ++kinds[std::to_string(ranks) + " ranks"];
+    ++kinds["accumulation " + std::to_string(accum)];
+    if (fewest == 0) ++kinds["a rank without a validation batch"];
+    if (fewest > 0 && most > fewest) ++kinds["ranks with different numbers of validation batches"];
+    if (blow_up) ++kinds[deferred ? "blow-up, deferred reads" : "blow-up, each-step reads"];
+    if (deferred && !blow_up) ++kinds["deferred reads, finite"];
+    // val_fraction written in full (17 digits), so that the held-out part is exactly `tail` bytes:
+    // floor(corpus x (tail + 0.5) / corpus). std::to_string's 6 decimals would round it to steps of
+    // 1e-6 of the corpus (about 4 bytes), and the shares worked out here would not be the job's.
+    char fraction[32];
+    std::snprintf(fraction, sizeof fraction, "%.17g", (tail + 0.5) / static_cast<double>(corpus));
     const std::string args = " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
-                             " --model.n_layer=2 --model.n_head=2 --model.n_embd=32 --model.block_size=32"
-                             " --train.steps=4 --train.micro_batch=2 --train.accum_steps=" + std::to_string(accum) +
+                             " --model.n_layer=2 --model.n_head=2 --model.n_embd=32 --model.block_size=" + std::to_string(block) +
+                             " --train.steps=4 --train.micro_batch=" + std::to_string(micro_batch) +
+                             " --train.accum_steps=" + std::to_string(accum) +
                              " --train.eval_every=" + std::to_string(eval_every) + " --train.eval_batches=100"
-                             " --data.val_fraction=" + std::to_string((tail + 0.5) / corpus) +
+                             " --data.val_fraction=" + fraction +
                              " --dist.zero_stage=" + std::to_string(stage) + " --dist.timeout_s=30"
                              " --train.max_nonfinite=2 --log.progress=lines --checkpoint.save_final=false" +
                              (blow_up ? std::string(deferred ? " --train.lr=1e12" : " --train.optimizer=sgd --train.lr=1e12") +
@@ -393,19 +422,35 @@ TEST(DataParallel, RandomUnevenJobsAtEveryStageAlwaysFinish) {
                                       : "") +
                              (deferred ? " --train.host_reads=deferred --log.every=3" : "") +
                              " --log.dir=" + test::run_root() + " --log.overwrite=true --log.name=fuzz" + std::to_string(job);
-    SCOPED_TRACE("job " + std::to_string(job) + ":" + args);
+    std::string shares;
+    for (int b : batches) shares += " " + std::to_string(b);
+    SCOPED_TRACE("job " + std::to_string(job) + " (validation batches per rank:" + shares + "):" + args);
     int code = -1;
-    const auto begin = std::chrono::steady_clock::now();
     const auto out = test::shell("timeout 100 " + test::binary("memtrain-run") + " --standalone --nproc-per-node " +
                                      std::to_string(ranks) + " -- " + test::binary("memtrain") + args + " 2>&1",
                                  &code);
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
     EXPECT_NE(code, 124) << "hung:\n" << out;
-    EXPECT_LT(seconds, 25) << out;
-    if (code != 0) {
-      EXPECT_NE(out.find("train.max_nonfinite = 2"), std::string::npos) << out;
+    // The job held out the tail the shares above were worked out for (rank 0's data line).
+    EXPECT_NE(out.find("(" + std::to_string(corpus - tail) + " train, " + std::to_string(tail) + " validation)"),
+              std::string::npos)
+        << out;
+    if (blow_up) {
+      // It did blow up: a non-finite step was skipped (or stopped the run), so the skip was exercised. Several ranks
+      // decide on the global gradient norm: the trainer's warning or stop names it.
+      EXPECT_NE(out.find("non-finite gradient norm"), std::string::npos) << out;
+      if (code != 0) {
+        EXPECT_NE(out.find("train.max_nonfinite = 2"), std::string::npos) << out;
+      }
+    } else {
+      EXPECT_EQ(code, 0) << out;
     }
   }
+  // The uneven cases the fuzz is for were generated (a loop over easy jobs passes without them).
+  for (const char* kind : {"stage 0", "stage 1", "stage 2", "stage 3", "2 ranks", "3 ranks", "accumulation 1",
+                           "accumulation 2", "a rank without a validation batch",
+                           "ranks with different numbers of validation batches", "blow-up, deferred reads",
+                           "blow-up, each-step reads", "deferred reads, finite"})
+    EXPECT_GE(kinds[kind], 1) << "the " << jobs << " jobs never had: " << kind;
 }
 
 TEST(DataParallel, DeferredHostReadsTrainBitwiseAsEachStep) {

@@ -43,7 +43,8 @@ TEST(World, SlurmNodeListsGiveTheFirstHost) {
   EXPECT_EQ(first_slurm_host("node[07,01-04]"), "node07");
   EXPECT_EQ(first_slurm_host("gpu-a[7,9],gpu-b3"), "gpu-a7");
   EXPECT_EQ(first_slurm_host("login1,login2"), "login1");
-  EXPECT_EQ(first_slurm_host("rack[1-2]-n[3]"), "rack1-n[3]");  // only the first bracket is a range of hosts here
+  EXPECT_EQ(first_slurm_host("rack[1-2]-n[3]"), "rack1-n3");  // Slurm expands every bracket group
+  EXPECT_EQ(first_slurm_host("r[2,1]-n[04-05]x,r9"), "r2-n04x");
   EXPECT_EQ(first_slurm_host("127.0.0.[1-2]"), "127.0.0.1");
 }
 

@@ -138,17 +138,18 @@ TEST(HuggingFace, ALoadHoldsTheModelPlusOneTensor) {
   EXPECT_GT(added, 0);
 }
 
-// A tiny Llama run on a token file of random ids, from the llama_gqa folder.
+// A tiny Llama run on a token file of random ids, from the llama_gqa folder (or the fixture folder `from` names).
 struct LlamaRun {
   test::TempDir dir;
   std::string tokens = dir.path("val.bin");
+  std::string from = hf("llama_gqa");
   LlamaRun() {
     torch::manual_seed(7);
     auto ids = torch::randint(0, 97, {4000}, torch::kLong).to(torch::kShort);  // ids < 97 fit int16 and uint16 alike
     std::ofstream(tokens, std::ios::binary).write(static_cast<const char*>(ids.data_ptr()), ids.numel() * 2);
   }
   std::string memtrain(const std::string& args, int* code, const std::string& subcommand = "") const {
-    return test::shell(test::binary("memtrain") + " " + subcommand + " --model.init_from=" + hf("llama_gqa") + " --data.tokens=" + tokens +
+    return test::shell(test::binary("memtrain") + " " + subcommand + " --model.init_from=" + from + " --data.tokens=" + tokens +
                            " --data.val_tokens=" + tokens + " --data.token_format=raw --model.block_size=16"
                            " --train.micro_batch=4 --train.eval_batches=2 --log.progress=lines --log.dir=" + dir.path() +
                            " " + args + " 2>&1",
@@ -201,6 +202,61 @@ TEST(HuggingFace, TrainedWeightsExportAndTransformersGivesTheSameLogits) {
   EXPECT_EQ(code, 2);
   EXPECT_NE(out.find("already exists"), std::string::npos) << out;
 }
+
+// The other families and the bf16 export, read back by transformers as llama_gqa's fp32 export is above: GPT-2
+// (Conv1D weights stored transposed, tied head), Qwen2 (q, k and v biases, tied head), Llama 3.1's rope scaling
+// (rope_scaling in config.json), and a bf16 export (--dtype bfloat16) of the bf16-stored Llama. Each trains 3 steps
+// from its fixture folder, is exported, and transformers' logits from the export must be memtrain's from the
+// trained weights. For the bf16 export memtrain's weights are first rounded to bf16 here (torch's round to nearest
+// even, as any bf16 file holds them): both sides then run the same values in fp32, so the tolerance stays 1e-5.
+struct ExportCase {
+  const char* name;
+  const char* dtype;  // --dtype: float32 | bfloat16
+};
+
+class HuggingFaceExport : public ::testing::TestWithParam<ExportCase> {};
+
+TEST_P(HuggingFaceExport, TrainedWeightsReadBackByTransformersGiveTheSameLogits) {
+  const auto& k = GetParam();
+  LlamaRun r;
+  r.from = hf(k.name);
+  int code = -1;
+  auto out = r.memtrain("--train.steps=3 --train.warmup_steps=1 --train.eval_every=0 --log.name=t", &code);
+  ASSERT_EQ(code, 0) << out;
+  const auto ckpt = r.dir.path("t/checkpoints");
+  out = test::shell(test::binary("memtrain") + " export --checkpoint " + ckpt + " --out " + r.dir.path("hf") +
+                        " --max-shard-mb 1 --dtype " + k.dtype + " 2>&1", &code);
+  ASSERT_EQ(code, 0) << out;
+  auto model = model_of(hf(k.name), {"--model.block_size=16"});
+  const auto trained = load_safetensors(ckpt + "/model.safetensors");
+  load_module_state(*model, trained, "model.safetensors");
+  torch::NoGradGuard no_grad;
+  // Training moved the weights off the fixture's: the export is of what trained, not of what was loaded.
+  auto fresh = model_of(hf(k.name), {"--model.block_size=16"});
+  load_hugging_face_weights(*fresh, hf(k.name));
+  double moved = 0;
+  const auto before = fresh->parameters(), after = model->parameters();
+  ASSERT_EQ(before.size(), after.size());
+  ASSERT_FALSE(after.empty());
+  for (size_t i = 0; i < after.size(); ++i) moved = std::max(moved, (after[i] - before[i]).abs().max().item<double>());
+  EXPECT_GT(moved, 0) << "3 steps left every weight as loaded";
+  const bool bf16 = std::string(k.dtype) == "bfloat16";
+  if (bf16)
+    for (auto& p : model->parameters()) p.copy_(p.to(torch::kBFloat16).to(torch::kFloat));
+  torch::manual_seed(11);
+  auto input = torch::randint(0, 97, {2, 16}, torch::kLong);
+  save_safetensors(r.dir.path("logits.safetensors"), {{"input", input}, {"logits", model->forward(input)}});
+  const auto check = r.python("logits " + r.dir.path("hf") + " " + r.dir.path("logits.safetensors"));
+  EXPECT_LT(number_after(check, "max_abs_diff"), 1e-5 * number_after(check, "max_abs_ref")) << check;
+  EXPECT_GT(number_after(check, "max_abs_ref"), 0) << check;
+  // The files hold the dtype asked for (hf_check.py reads the safetensors headers).
+  EXPECT_NE(check.find(bf16 ? "stored BF16\n" : "stored F32\n"), std::string::npos) << check;
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, HuggingFaceExport,
+                         ::testing::Values(ExportCase{"gpt2", "float32"}, ExportCase{"qwen2", "float32"},
+                                           ExportCase{"llama3_rope", "float32"}, ExportCase{"llama_bf16", "bfloat16"}),
+                         [](const auto& info) { return std::string(info.param.name) + "_" + info.param.dtype; });
 
 TEST(HuggingFace, AFourRankStageThreeCheckpointExportsTheSameBytesAsOneRank) {
   // Saved at step 2 by 4 ranks in stage 3 (each rank holds a quarter of every parameter), then taken up by one

@@ -201,14 +201,24 @@ std::vector<double> losses(const test::TempDir& dir, const std::string& name) {
   return test::metric_losses(dir.path(name + "/metrics.jsonl"));
 }
 
+// Each logged step's pre-clip gradient norm (the adapters' gradients, the base being frozen).
+std::vector<double> grad_norms(const test::TempDir& dir, const std::string& name) {
+  return test::metric_grad_norms(dir.path(name + "/metrics.jsonl"));
+}
+
 TEST(Lora, EveryStageTrainsTheAdaptersAsOneProcessAndTheBaseNeverMoves) {
+  // Losses and each step's pre-clip gradient norm against one process: AdamW and clipping are blind to a common
+  // scale of the gradients, so an adapter reduction that sums where it should average shows in the norms alone.
   test::TempDir dir;
   const std::string lora = "--lora.rank=4 --lora.targets=q_proj,v_proj,down_proj --memory.recompute=all";
   int code = -1;
   auto out = run(dir, 1, "one", lora, &code);
   ASSERT_EQ(code, 0) << out;
   const auto one = losses(dir, "one");
+  const auto one_norms = grad_norms(dir, "one");
   ASSERT_EQ(one.size(), 4u);
+  ASSERT_EQ(one_norms.size(), 4u);
+  for (size_t s = 0; s < 4; ++s) ASSERT_GT(one_norms[s], 0) << "step " << s + 1 << ": the adapters got no gradient";
   // The adapters trained: every B, zero at the start, has moved.
   const auto trained = load_checkpoint(find_latest_checkpoint(dir.path("one/checkpoints")));
   int b = 0;
@@ -224,8 +234,14 @@ TEST(Lora, EveryStageTrainsTheAdaptersAsOneProcessAndTheBaseNeverMoves) {
     out = run(dir, 2, name, lora + " --checkpoint.every=2 --dist.zero_stage=" + std::to_string(stage), &code);
     ASSERT_EQ(code, 0) << out;
     const auto got = losses(dir, name);
+    const auto got_norms = grad_norms(dir, name);
     ASSERT_EQ(got.size(), 4u);
-    for (size_t s = 0; s < 4; ++s) EXPECT_NEAR(got[s], one[s], 1e-5 * one[s]) << "step " << s + 1;
+    ASSERT_EQ(got_norms.size(), 4u);
+    for (size_t s = 0; s < 4; ++s) {
+      EXPECT_NEAR(got[s], one[s], 1e-5 * one[s]) << "step " << s + 1;
+      // The same samples reduced in another order: within the losses' tolerance (a sum for a mean is a factor 2).
+      EXPECT_NEAR(got_norms[s], one_norms[s], 1e-5 * one_norms[s]) << "pre-clip gradient norm, step " << s + 1;
+    }
     // Parameter bytes a rank holds between steps (its tracker): every element in stages 0-2; in stage 3 half of
     // them, the frozen base included (each bucket padded to a multiple of 2 ranks: at most 4 bytes per bucket).
     std::ifstream memory(dir.path(name + "/memory.rank0.jsonl"));
@@ -255,28 +271,71 @@ TEST(Lora, EveryStageTrainsTheAdaptersAsOneProcessAndTheBaseNeverMoves) {
     out = run(dir, 1, name + "-to-1", lora + " --checkpoint.resume=" + checkpoint_folder(dir.path(name + "/checkpoints"), 2), &code);
     ASSERT_EQ(code, 0) << out;
     const auto resumed = losses(dir, name + "-to-1");
+    const auto resumed_norms = grad_norms(dir, name + "-to-1");
     ASSERT_EQ(resumed.size(), 2u) << out;
-    for (size_t s = 0; s < 2; ++s) EXPECT_NEAR(resumed[s], one[2 + s], 1e-5 * one[2 + s]) << "resumed step " << s + 3;
+    ASSERT_EQ(resumed_norms.size(), 2u) << out;
+    for (size_t s = 0; s < 2; ++s) {
+      EXPECT_NEAR(resumed[s], one[2 + s], 1e-5 * one[2 + s]) << "resumed step " << s + 3;
+      EXPECT_NEAR(resumed_norms[s], one_norms[2 + s], 1e-5 * one_norms[2 + s]) << "pre-clip gradient norm, resumed step " << s + 3;
+    }
   }
 }
 
 TEST(Lora, AccumulationTheFusedHeadAndBf16TrainTheAdaptersAsPlain) {
-  auto losses_of = [](std::vector<std::string> extra) {
-    extra.push_back("--lora.rank=4");
-    extra.push_back("--lora.targets=q_proj,up_proj");
-    extra.push_back("--data.dataset=text");  // the Austen bytes: a batch splits into micro-batches sample by sample
-    Trainer t(tiny_llama(extra), World{});
-    std::vector<double> out;
-    for (int s = 0; s < 3; ++s) out.push_back(t.step().loss.item<double>());
-    return out;
+  // No warm-up and a learning rate of 1e-2, so that the adapters move at once: with the default 20 warm-up steps
+  // the first updates were 1e-3 / 20 = 5e-5, B (zero at the start) stayed near zero, the losses hardly depended on
+  // the adapters, and nothing checked that they trained: adapters that got no gradient at all would have passed.
+  const double lr = 1e-2;
+  struct Run {
+    std::vector<double> losses, norms;      // per step; the norm is the adapters' gradient's, before clipping
+    std::map<std::string, double> b_moved;  // max |B| of each adapter after the first step
+    double val_before = 0, val_after = 0;   // held-out loss before the first step and after the last
   };
-  const auto plain = losses_of({"--train.micro_batch=4"});
-  const auto combined = losses_of({"--train.micro_batch=2", "--train.accum_steps=2", "--memory.head=fused:16"});
-  const auto bf16 = losses_of({"--train.micro_batch=4", "--train.precision=bf16"});
+  auto train = [&](std::vector<std::string> extra) {
+    extra.insert(extra.end(), {"--lora.rank=4", "--lora.targets=q_proj,up_proj", "--train.warmup_steps=0", "--train.lr=" + std::to_string(lr),
+                               "--data.dataset=text"});  // the Austen bytes: a batch splits into micro-batches sample by sample
+    Trainer t(tiny_llama(extra), World{});
+    const auto val = t.data().val_batches(4, 2);
+    Run r;
+    r.val_before = t.evaluate(val).loss;
+    for (int s = 0; s < 3; ++s) {
+      const auto step = t.step();
+      r.losses.push_back(step.loss.item<double>());
+      r.norms.push_back(step.grad_norm.item<double>());
+      if (s > 0) continue;
+      for (const auto& item : t.model().named_parameters())
+        if (item.key().ends_with("lora_B")) r.b_moved[item.key()] = item.value().abs().max().item<double>();
+    }
+    r.val_after = t.evaluate(val).loss;
+    return r;
+  };
+  const auto plain = train({"--train.micro_batch=4"});
+  const auto combined = train({"--train.micro_batch=2", "--train.accum_steps=2", "--memory.head=fused:16"});
+  const auto bf16 = train({"--train.micro_batch=4", "--train.precision=bf16"});
+  for (const auto& [what, r] : std::vector<std::pair<std::string, const Run*>>{
+           {"plain", &plain}, {"accumulation + fused head", &combined}, {"bf16", &bf16}}) {
+    SCOPED_TRACE(what);
+    // Every adapter received a gradient. B starts at zero and takes one AdamW step: with no history, Adam's
+    // bias-corrected step is lr g / (|g| + eps) per element (Kingma & Ba 2015, section 2.1: the first step's size is
+    // the step size), so max |B| = lr to eps / |g|; decoupled weight decay of a zero B adds nothing. No gradient
+    // leaves B at zero; clipping and a scale of the gradients do not change it.
+    ASSERT_EQ(r->b_moved.size(), 2u * 2) << "layers x targets";
+    for (const auto& [name, moved] : r->b_moved) EXPECT_NEAR(moved, lr, 1e-3 * lr) << name;
+    ASSERT_EQ(r->norms.size(), 3u);
+    for (size_t s = 0; s < 3; ++s) EXPECT_GT(r->norms[s], 0) << "step " << s + 1;
+    // The loss moved: the held-out loss of the adapted model fell by more than 10 times the tolerance the
+    // accumulated run is compared with below (2e-5), so adapters that stopped training would show there.
+    EXPECT_LT(r->val_after, r->val_before * (1 - 10 * 2e-5)) << "before " << r->val_before << ", after " << r->val_after;
+  }
   for (size_t s = 0; s < 3; ++s) {
-    EXPECT_NEAR(combined[s], plain[s], 2e-5 * plain[s]) << "step " << s + 1;
-    // bf16 autocast: 8 mantissa bits, about 0.4% per rounding; the loss of a 2-layer model stays within 2%.
-    EXPECT_NEAR(bf16[s], plain[s], 2e-2 * plain[s]) << "step " << s + 1;
+    EXPECT_NEAR(combined.losses[s], plain.losses[s], 2e-5 * plain.losses[s]) << "step " << s + 1;
+    // The same gradient, summed over two micro-batches and the fused head's chunks in another order: fp32 rounding
+    // (about 1e-6) apart, against a factor 2 for a sum where a mean belongs, which AdamW's losses would not show.
+    EXPECT_NEAR(combined.norms[s], plain.norms[s], 1e-4 * plain.norms[s]) << "pre-clip gradient norm, step " << s + 1;
+    // bf16 autocast: 8 mantissa bits, about 0.4% per rounding; the loss of a 2-layer model stays within 2%, the
+    // norm (a sum of squares of gradients through a few more roundings) within 5%.
+    EXPECT_NEAR(bf16.losses[s], plain.losses[s], 2e-2 * plain.losses[s]) << "step " << s + 1;
+    EXPECT_NEAR(bf16.norms[s], plain.norms[s], 5e-2 * plain.norms[s]) << "pre-clip gradient norm, step " << s + 1;
   }
 }
 

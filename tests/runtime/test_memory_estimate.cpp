@@ -109,8 +109,11 @@ TEST(MemoryEstimate, CublasWorkspacesCountWithClosedFormActivationsOnly) {
   // On the H200 (docs/gpu_check/2026-12-04) every small run's peak was 65 MiB over its closed-form estimate: two
   // cuBLAS workspaces of 32 MiB (the forward's thread and autograd's each have a handle). They are on the device,
   // beside the closed form's activations, and not added again to a probe's measurement, which saw them appear.
-  EstimateInputs in{.block_elements = {1000, 1000}, .root_elements = 500, .cuda = true,
-                    .workspace_bytes = int64_t{64} << 20};
+  // Field by field (not designated initializers: GCC 12's -Wextra names each member left out that has no default at
+  // its declaration, such as the vectors and the probes).
+  EstimateInputs in;
+  in.block_elements = {1000, 1000};
+  in.root_elements = 500, in.cuda = true, in.workspace_bytes = int64_t{64} << 20;
   in.probe.micro_batch[0] = in.probe.micro_batch[1] = 1;
   in.probe.bytes[0] = in.probe.bytes[1] = 700;
   const auto measured = estimate_memory(in);
@@ -170,23 +173,71 @@ TEST(MemoryEstimate, WithinTenPercentOfTheMeasuredPeakInOneProcess) {
 }
 
 TEST(MemoryEstimate, TheProbeChangesNothingTrained) {
-  // Dropout on: the probe's forward draws random numbers; every step reseeds, so the run is the same.
-  auto c = estimate_config();
-  c.model.dropout = 0.1;
-  c.train.steps = 3;
-  auto run = [&](bool estimate) {
-    auto k = c;
-    k.memory.estimate = estimate;
-    Trainer t(k);
-    std::vector<double> losses;
-    for (int i = 0; i < 3; ++i) losses.push_back(t.step().loss.item<double>());
-    std::vector<torch::Tensor> params;
-    for (const auto& p : t.parameters()) params.push_back(p.detach().clone());
-    return std::make_pair(losses, params);
+  // The probe runs a forward and backward on the model before step 1: whatever it draws, accumulates or updates
+  // must be undone. Each model trains 3 steps with the estimate on and off, and must train the same to the bit:
+  // - the GPT with dropout (the probe's forwards draw random numbers; every step reseeds), made to probe by
+  //   memory.estimate_method = probe: its estimate is in closed form otherwise, and then no probe runs at all;
+  // - the ResNet, which has no closed form and probes on its own, and whose BatchNorm running statistics the
+  //   probe's forwards (in training mode) update.
+  struct Trained {
+    std::string method;                          // how the estimate found the activations
+    int64_t activations = 0;                     // its activation bytes
+    std::vector<double> losses, norms;           // per step; the norm before clipping
+    std::map<std::string, torch::Tensor> state;  // every parameter and buffer of the model, by name
+    size_t parameters = 0, buffers = 0;
   };
-  const auto with = run(true), without = run(false);
-  EXPECT_EQ(with.first, without.first);
-  for (size_t i = 0; i < with.second.size(); ++i) EXPECT_TRUE(torch::equal(with.second[i], without.second[i])) << i;
+  auto train = [](Config c, bool estimate) {
+    c.memory.estimate = estimate;
+    Trainer t(c);
+    Trained r;
+    r.method = t.memory_estimate().method;
+    r.activations = t.memory_estimate().device.activations;
+    for (int i = 0; i < 3; ++i) {
+      const auto s = t.step();
+      r.losses.push_back(s.loss.item<double>());
+      r.norms.push_back(s.grad_norm.item<double>());
+    }
+    for (const auto& item : t.model().named_parameters()) {
+      r.state.emplace("parameter " + item.key(), item.value().detach().clone());
+      ++r.parameters;
+    }
+    for (const auto& item : t.model().named_buffers()) {
+      r.state.emplace("buffer " + item.key(), item.value().detach().clone());
+      ++r.buffers;
+    }
+    return r;
+  };
+  auto gpt = estimate_config();
+  gpt.model.dropout = 0.1;
+  gpt.memory.estimate_method = "probe";
+  const auto resnet = Config::load("", {"--model.name=resnet", "--data.dataset=synthetic", "--model.width=4",
+                                        "--train.micro_batch=8", "--train.threads=1", "--train.eval_every=0",
+                                        "--log.dir=" + test::run_root(), "--log.overwrite=true"});
+  for (const auto& [what, config] : std::vector<std::pair<std::string, Config>>{{"gpt, dropout 0.1", gpt}, {"resnet", resnet}}) {
+    SCOPED_TRACE(what);
+    ASSERT_EQ(config.train.micro_batch, 8);
+    const auto with = train(config, true), without = train(config, false);
+    // The probe ran in the one and not in the other. At micro-batch 8 its points are a quarter and half of it
+    // (Trainer::probe: 2 and 4); without the estimate nothing measured the activations.
+    EXPECT_NE(with.method.find("activations measured at micro-batch 2 and 4"), std::string::npos) << with.method;
+    EXPECT_GT(with.activations, 0);
+    EXPECT_EQ(without.method.find("activations measured"), std::string::npos) << without.method;
+    EXPECT_EQ(without.activations, 0) << without.method;
+    // What trained is the same, bit for bit: losses, gradient norms, every parameter and every buffer (BatchNorm's
+    // running statistics and counts are written to model.safetensors and checkpoints with the weights).
+    EXPECT_EQ(with.losses, without.losses);
+    EXPECT_EQ(with.norms, without.norms);
+    ASSERT_GT(with.parameters, 0u);
+    if (what == "resnet") {
+      ASSERT_GT(with.buffers, 0u) << "no BatchNorm buffers: nothing of what the probe restores is compared";
+    }
+    ASSERT_EQ(with.state.size(), with.parameters + with.buffers) << "two tensors with one name";
+    ASSERT_EQ(without.state.size(), with.state.size());
+    for (const auto& [name, tensor] : with.state) {
+      ASSERT_TRUE(without.state.count(name)) << name;
+      EXPECT_TRUE(torch::equal(tensor, without.state.at(name))) << name << " differs after the probe";
+    }
+  }
 }
 
 TEST(MemoryEstimate, WithinTenPercentOnTwoAndFourRanksForEveryStage) {

@@ -2,6 +2,7 @@
 
 #include "helpers.h"
 #include "memtrain/runtime/planner.h"
+#include "memtrain/runtime/step_time.h"
 #include "memtrain/runtime/trainer.h"
 
 namespace memtrain {
@@ -143,6 +144,77 @@ TEST(Planner, BudgetKeyErrorsNameTheValue) {
   EXPECT_NE(test::error_of([] { Config::load("", {"--memory.budget_headroom=0.5"}); })
                 .find("memory.budget_headroom = 0.5 is out of range: expected in [0, 0.5)"),
             std::string::npos);
+}
+
+// The time model (step_time.h, docs/ESTIMATE.md "Step time") by its stated arithmetic: on a GPU target each matmul
+// takes its FLOPs at 30.5% of the data sheet's dense peak; causal attention half the 4 T^2 d FLOPs per sequence and
+// head forward, 2.5x that backward; everything trains, so each linear's backward is two products of its forward's.
+TEST(StepTime, AGpuStepIsItsFlopsAtTheStatedShareOfThePeak) {
+  const int64_t L = 2, C = 64, H = 2, T = 32, V = 256, B = 4, A = 3;
+  auto c = Config::load("", {"--model.n_layer=2", "--model.n_head=2", "--model.n_embd=64", "--model.block_size=32",
+                             "--model.vocab_size=256", "--train.micro_batch=4", "--train.accum_steps=3",
+                             "--train.precision=bf16"});
+  const auto s = step_settings(c, 1, 1);
+  const auto speed = target_speed(parse_target("h100-80gb"), s.half_matmuls);
+  const auto t = predict_step(s, speed);
+  const double rate = 989e12 * 0.305;
+  const double tokens = B * T;
+  const double linears = 2 * tokens * 12 * C * C;           // qkv, proj, fc, proj: 12 C^2 per token
+  const double attention = 2.0 * B * H * T * T * (C / H);   // causal forward
+  const double head = 2 * tokens * C * V;
+  const double micro = L * (3 * linears + 3.5 * attention) + 3 * head;
+  EXPECT_NEAR(t.compute_s, A * micro / rate, 1e-6 * t.compute_s);
+  EXPECT_EQ(t.recompute_s, 0);
+  EXPECT_EQ(t.communication_s, 0);  // one rank
+  EXPECT_NEAR(t.overhead_s, A * L * 60 * 4e-6, 1e-12);
+  // Recomputing every block adds one block forward per micro-batch and layer.
+  c.memory.recompute = "all";
+  const auto r = predict_step(step_settings(c, 1, 1), speed);
+  EXPECT_NEAR(r.recompute_s, A * L * (linears + attention) / rate, 1e-6 * r.recompute_s);
+  EXPECT_GT(r.total_s, t.total_s);
+  // fp32 matmuls run at the fp32 peak (no TF32): 989 / 67 times slower.
+  c.train.precision = "fp32";
+  c.memory.recompute = "none";
+  const auto f = predict_step(step_settings(c, 1, 1), target_speed(parse_target("h100-80gb"), false));
+  EXPECT_NEAR(f.compute_s / t.compute_s, 989.0 / 67, 1e-9);
+  EXPECT_NEAR(t.tokens_per_s, A * tokens / t.total_s, 1e-6 * t.tokens_per_s);
+}
+
+TEST(StepTime, CollectivesMoveTheirBytesAtTheBusBandwidthAndOverlapTheBackward) {
+  // GPT with biases: a block 12 C^2 + 13 C elements, the rest V C + T C + 2 C (tied head); fp32 gradients.
+  const int64_t L = 2, C = 64, T = 32, V = 256;
+  const double P = L * (12.0 * C * C + 13 * C) + V * C + T * C + 2 * C;
+  auto c = Config::load("", {"--model.n_layer=2", "--model.n_head=2", "--model.n_embd=64", "--model.block_size=32",
+                             "--model.vocab_size=256", "--dist.zero_stage=2"});
+  const auto speed = target_speed(parse_target("h100-80gb"), false);
+  // Stage 2 on 8 GPUs of one node: a reduce-scatter of the gradients, an all-gather of the parameters after the step.
+  auto s = step_settings(c, 8, 8);
+  EXPECT_EQ(s.trained_elements, static_cast<int64_t>(P));
+  const double nvlink = 0.8 * 450e9, share = 7.0 / 8;
+  auto t = predict_step(s, speed);
+  EXPECT_NEAR(t.communication_s, 2 * share * 4 * P / nvlink, 1e-9 * t.communication_s);
+  EXPECT_GE(t.exposed_s, share * 4 * P / nvlink * (1 - 1e-9));  // the gather after the step never overlaps
+  // Two nodes of 4: the network's 50 GB/s at 80% is the ring's slowest link.
+  t = predict_step(step_settings(c, 8, 4), speed);
+  EXPECT_NEAR(t.communication_s, 2 * share * 4 * P / (0.8 * 50e9), 1e-9 * t.communication_s);
+  // Stage 3 gathers every parameter twice per micro-batch besides the reduce-scatter.
+  c.dist.zero_stage = 3;
+  t = predict_step(step_settings(c, 8, 8), speed);
+  EXPECT_NEAR(t.communication_s, 3 * share * 4 * P / nvlink, 1e-9 * t.communication_s);
+  // The optimizer steps 1/8 of the elements, 32 bytes each over HBM (3.35 TB/s).
+  EXPECT_NEAR(t.optimizer_s, P / 8 * 32 / 3.35e12, 1e-9 * t.optimizer_s);
+}
+
+TEST(StepTime, ACpuTargetTimesItsMatmulsHere) {
+  auto c = Config::load("", {"--model.vocab_size=256"});
+  const auto speed = target_speed(parse_target("cpu:8GiB"), false);
+  EXPECT_TRUE(speed.timed);
+  const auto t = predict_step(step_settings(c, 1, 1), speed);
+  EXPECT_GT(t.compute_s, 0);
+  EXPECT_GT(t.optimizer_s, 0);
+  EXPECT_FALSE(speed.matmul_s.empty());  // what it timed, memoized
+  c.memory.recompute = "all";
+  EXPECT_GT(predict_step(step_settings(c, 1, 1), speed).total_s, t.total_s);
 }
 
 }  // namespace

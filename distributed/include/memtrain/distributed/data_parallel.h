@@ -185,6 +185,12 @@ class DataParallel {
 
  private:
   struct Bucket;
+  struct BucketMembers;
+  // The constructor's builders, in the order it calls them (every rank the same: 2 and 2b broadcast).
+  BucketMembers assign_buckets(const std::vector<std::pair<std::string, torch::Tensor>>& named_params);  // 1.
+  void build_flat_storage(const BucketMembers& members);  // 2. parameters become views of flat storage
+  void build_frozen_buckets();                            // 2b. stage 3: what does not train
+  void register_gradient_hooks();                         // 3. "this gradient is complete"
   void on_gradient_ready(size_t bucket);
   void launch_ready_buckets();
   void launch(Bucket& b);

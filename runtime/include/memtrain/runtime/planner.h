@@ -15,6 +15,8 @@
 
 namespace memtrain {
 
+struct Config;
+
 struct PlanCandidate {
   int64_t micro_batch = 1;
   int64_t accum_steps = 1;
@@ -27,8 +29,12 @@ struct PlanCandidate {
   std::string optimizer;
   int lowbit_rank = 0;             // 0 as configured, 1 adamw8bit, 2 adamw4bit
   MemoryEstimate estimate;
-  double step_ms = 0;              // predicted step time (the time model: plan_step_ms or the probe's timings)
+  double step_ms = 0;              // predicted step time (the time model: step_time.h, plan_step_cost or the probe's timings)
+  double tokens_per_s = 0;         // all ranks' tokens per second at step_ms (step_time.h's model only; 0 otherwise)
   std::string describe() const;    // "micro-batch 8 x 2, recompute all, head fused, stage 2"
+  // The candidate's settings written into a config: train.micro_batch, train.accum_steps, memory.recompute,
+  // memory.head, dist.zero_stage, dist.offload_optimizer and (when changed) train.optimizer.
+  void apply_to(Config& config) const;
 };
 
 struct Plan {

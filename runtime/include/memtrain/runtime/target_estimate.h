@@ -48,15 +48,17 @@ ActivationProbe as_probe(const ActivationEstimate& a, int64_t micro_batch, bool 
 TargetEstimate estimate_for_target(const Config& config, const Target& target, int world);
 
 struct TargetPlan {
-  std::vector<PlanCandidate> fitting;  // best (cheapest step) first
+  std::vector<PlanCandidate> fitting;  // best (fastest step) first
   int64_t considered = 0;
+  std::string speed_source;            // where the time model's speeds come from (TargetSpeed::source)
   std::vector<std::string> overrides(const PlanCandidate& c) const;  // --section.key=value for the candidate
 };
 // Every setting that keeps the global batch (train.micro_batch x train.accum_steps per rank): micro-batches
 // dividing it, recompute none | every:2 | attn | all, head plain | fused, ZeRO stage 0-3 (several ranks), optimizer
 // offload (CUDA targets), and with memory.allow_lowbit_optimizer AdamW's 8- and 4-bit state; those whose device
-// peak fits the target less memory.budget_headroom, cheapest first by plan_step_cost (low-bit state only where
-// nothing with fp32 moments fits).
-TargetPlan plan_for_target(const Config& config, const Target& target, int world);
+// peak fits the target less memory.budget_headroom, fastest first by the time model (step_time.h: each candidate's
+// predicted step time and tokens/s on `world` ranks, `nproc_per_node` to a node; 0 = all on one node), low-bit state
+// only where nothing with fp32 moments fits. A cpu: target times its matmuls here (about a second).
+TargetPlan plan_for_target(const Config& config, const Target& target, int world, int nproc_per_node = 0);
 
 }  // namespace memtrain

@@ -44,9 +44,9 @@ class StepFlags;   // train.host_reads = deferred (runtime/src/step_flags.h)
 }
 class RunReport;    // run_report.h
 
-// A model's floating buffers (BatchNorm's running statistics) kept aside and put back: a step retried after
-// running out of memory, and the estimator's probe, leave them as they found them.
-class FloatingBuffers {
+// A model's buffers (BatchNorm's running statistics and its num_batches_tracked count) kept aside and put back: a
+// step retried after running out of memory, and the estimator's probe, leave them as they found them.
+class ModelBuffers {
  public:
   void save(torch::nn::Module& module);     // copies them (storage reused from the last save)
   void restore(torch::nn::Module& module);  // copies them back; nothing if never saved
@@ -184,6 +184,10 @@ class Trainer {
   void clip_and_update(StepResult& r, const torch::Tensor& loss_sum);  // attempt_step's 3-4
   void recover_from_oom(const std::string& what);  // throws when the step cannot be retried
   void resume_or_refuse();                          // fit(): checkpoint.resume and log.overwrite
+  // resume_or_refuse's pieces, collective: without checkpoint.resume, a run folder holding a run refused (or
+  // cleared: log.overwrite); with it, the checkpoint every rank found ("" = start fresh).
+  void refuse_or_overwrite_run();
+  std::string agreed_resume_path();
   void make_output_folders() const;                 // fit(): every folder it writes, probed before step 1
   bool agree(bool ok) { return agreement().all(ok); }
   bool stop_requested();                            // a stop signal on any rank (collective)
@@ -230,6 +234,13 @@ class Trainer {
   // memory.budget_mib: chooses micro-batch / accumulation, recompute policy, head and (several ranks) ZeRO
   // stage, writes them into config_ (setup, before the buckets exist). The candidates stay for correct_plan().
   void plan_to_budget();
+  // plan_to_budget's pieces: the settings it tries; the candidates of one (recompute policy, head) setting whose
+  // probe is `pr`, appended to plan_candidates_; the chosen one written into config_.
+  struct PlanKnobs;
+  PlanKnobs plan_knobs() const;
+  void add_plan_candidates(const PlanKnobs& knobs, const std::string& policy, const std::string& head,
+                           const ActivationProbe& pr, bool closed, bool sharded, bool timed);
+  void apply_chosen_plan(const PlanCandidate& chosen);
   // After a steady step: when the measured peak is over the budget, the plan is made again once with the
   // activations scaled by the measured error (same ZeRO stage) and applied from the next step.
   void correct_plan(int64_t measured_peak);
@@ -285,7 +296,7 @@ class Trainer {
   int64_t nonfinite_run_ = 0;     // consecutive skipped non-finite steps
   int64_t last_saved_step_ = -1;
   bool in_optimizer_ = false;     // between optimizer step's start and end (out-of-memory retries)
-  FloatingBuffers buffer_backup_;  // floating buffers at the step's start (out-of-memory retries)
+  ModelBuffers buffer_backup_;  // the model's buffers at the step's start (out-of-memory retries)
   std::string resumed_from_;
   std::vector<int64_t> units_;        // per params_ entry: its block, or -1 (the root: outside every block, or shared)
   std::vector<int64_t> frozen_units_; // per frozen_ entry, the same
