@@ -242,10 +242,11 @@ Target parse_target(const std::string& spec) {
   };
   if (spec.rfind("cpu:", 0) == 0) {
     const auto size = spec.substr(4);
-    for (const auto& [suffix, unit] : std::vector<std::pair<std::string, int64_t>>{{"GiB", int64_t{1} << 30}, {"GB", 1000000000}})
+    for (const auto& [suffix, unit] : std::vector<std::pair<std::string, int64_t>>{
+             {"GiB", int64_t{1} << 30}, {"GB", 1000000000}, {"MiB", int64_t{1} << 20}})
       if (size.size() > suffix.size() && size.compare(size.size() - suffix.size(), suffix.size(), suffix) == 0)
         return {spec, false, number(size.substr(0, size.size() - suffix.size()), unit)};
-    throw ConfigError("[estimate] --target '" + spec + "': a host's memory is cpu:<N>GiB or cpu:<N>GB");
+    throw ConfigError("[estimate] --target '" + spec + "': a host's memory is cpu:<N>GiB, cpu:<N>GB or cpu:<N>MiB");
   }
   if (!spec.empty() && std::isdigit(static_cast<unsigned char>(spec[0]))) return {spec, true, number(spec, 1)};
   std::string names;

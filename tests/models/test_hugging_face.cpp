@@ -213,6 +213,8 @@ struct ExportCase {
   const char* name;
   const char* dtype;  // --dtype: float32 | bfloat16
 };
+// GoogleTest prints a parameter with this (else its raw bytes, in every test's name).
+void PrintTo(const ExportCase& c, std::ostream* os) { *os << c.name << " as " << c.dtype; }
 
 class HuggingFaceExport : public ::testing::TestWithParam<ExportCase> {};
 

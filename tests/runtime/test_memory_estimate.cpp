@@ -10,6 +10,7 @@
 #include <numeric>
 
 #include "helpers.h"
+#include "memtrain/data/datasets.h"
 #include "memtrain/runtime/device.h"
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/memory_estimate.h"
@@ -282,6 +283,30 @@ TEST(MemoryEstimate, EstimateCommandPrintsEveryStage) {
   ASSERT_EQ(code, 0) << out;
   for (const char* s : {"4 ranks", "stage 0", "stage 1 + offload", "stage 3", "peak", "json: {"})
     EXPECT_NE(out.find(s), std::string::npos) << s << "\n" << out;
+  // The values, not only the labels: the default GPT (4 blocks of 128, vocabulary 256, context 128, biases, tied
+  // head) has P = L (12 C^2 + 13 C) + V C + T C + 2 C elements; fp32 AdamW at stage 0 keeps 4 P bytes of parameters,
+  // 4 P of gradients and 8 P of moments on every rank, and the text's bytes as its data.
+  const double L = 4, C = 128, V = 256, T = 128;
+  const double P = L * (12 * C * C + 13 * C) + V * C + T * C + 2 * C;
+  auto json_of = [](const std::string& text) {
+    const auto at = text.find("json: ");
+    EXPECT_NE(at, std::string::npos) << text;
+    return nlohmann::json::parse(text.substr(at + 6, text.find('\n', at) - at - 6))["device"];
+  };
+  const auto zero = json_of(out);
+  EXPECT_EQ(zero["params"].get<double>(), 4 * P);
+  EXPECT_EQ(zero["grads"].get<double>(), 4 * P);
+  EXPECT_EQ(zero["optimizer_state"].get<double>(), 8 * P);
+  EXPECT_EQ(zero["data"].get<int64_t>(),
+            static_cast<int64_t>(fs::file_size(fs::path(default_data_dir()) / "text" / "austen.txt")));
+  // Stage 1 on 4 ranks: each keeps a quarter of the moments (its buckets' elements padded to a multiple of 4: a few
+  // elements per bucket at most).
+  const auto one = json_of(test::shell(test::binary("memtrain") + " estimate --ranks 4 --config " +
+                                           test::source("examples/configs/gpt_austen_cpu.ini") +
+                                           " --train.threads=1 --dist.zero_stage=1 2>&1",
+                                       &code));
+  EXPECT_NEAR(one["optimizer_state"].get<double>(), 8 * P / 4, 1e-4 * 8 * P / 4);
+  EXPECT_EQ(one["params"].get<double>(), 4 * P);
   EXPECT_NE(test::shell(test::binary("memtrain") + " estimate --ranks zero 2>&1", &code).find("--ranks 'zero'"),
             std::string::npos);
   EXPECT_EQ(code, 2);
@@ -700,6 +725,33 @@ TEST(TargetEstimate, PlanListsSettingsThatFitBestFirstAndWritesAnIniThatRuns) {
   EXPECT_EQ(chosen.memory.recompute, best.recompute);
   EXPECT_EQ(chosen.memory.head, best.head);
   EXPECT_NE(out.find("chosen: " + best.describe()), std::string::npos) << out;
+  // On a CPU target the INI runs here: the default GPT's 16 samples in 60 MiB (16 x 1 without recompute needs about
+  // 85), whichever setting the time model ranks first. Its measured peak is the one listed for that setting, plus the
+  // text held in memory (--target reads no data), within the estimate's 10%; and it fits the target.
+  const auto gpt = test::source("examples/configs/gpt_austen_cpu.ini");
+  const auto cpu_ini = (fs::path(dir.path()) / "cpu.ini").string();
+  const auto cpu_out = test::shell(test::binary("memtrain") + " plan --target cpu:60MiB --config " + gpt + " --out " +
+                                       cpu_ini + " 2>&1",
+                                   &code);
+  ASSERT_EQ(code, 0) << cpu_out;
+  const auto planned = Config::load(cpu_ini, {});
+  EXPECT_FALSE(planned.train.micro_batch == 16 && planned.memory.recompute == "none") << cpu_out;
+  const auto cpu_target = parse_target("cpu:60MiB");
+  int64_t listed = -1;
+  for (const auto& c : plan_for_target(Config::load(gpt, {}), cpu_target, 1).fitting)
+    if (c.micro_batch == planned.train.micro_batch && c.recompute == planned.memory.recompute && c.head == planned.memory.head)
+      listed = c.estimate.peak_device();
+  ASSERT_GT(listed, 0) << "the INI's setting is not among the listed ones\n" << cpu_out;
+  const auto run = test::shell(test::binary("memtrain") + " --config " + cpu_ini + " --train.steps=3 --train.eval_every=0 "
+                                   "--train.eval_batches=1 --checkpoint.save_final=false --log.dir=" + dir.path() +
+                                   " --log.name=cpu 2>&1",
+                               &code);
+  ASSERT_EQ(code, 0) << run;
+  std::ifstream summary(dir.path("cpu/summary.json"));
+  const auto measured = nlohmann::json::parse(summary)["peak_allocated_bytes"]["rank0/cpu"].get<double>();
+  const double text = static_cast<double>(fs::file_size(fs::path(default_data_dir()) / "text" / "austen.txt"));
+  EXPECT_NEAR(static_cast<double>(listed) + text, measured, 0.1 * measured) << cpu_out << run;
+  EXPECT_LE(measured - text, static_cast<double>(cpu_target.bytes)) << cpu_out << run;
   // Nothing fits: Llama-3.1-8B's bf16 parameters alone (16.1 GB) on one GPU of 16 GiB (17.2 GB), even with the
   // optimizer offloaded (on one 40 GB GPU, offload does fit it).
   auto big = Config::load(test::source("examples/configs/llama3_8b_8xh100.ini"), {});

@@ -106,7 +106,7 @@ struct Target {
   int64_t bytes = 0;
 };
 // a100-40gb | a100-80gb | h100-80gb | h200-141gb (memory.total as nvidia-smi reports it for the SXM parts) |
-// cpu:<N>GiB | cpu:<N>GB | a byte count (a GPU). Throws ConfigError naming the spec and the names it knows.
+// cpu:<N>GiB | cpu:<N>GB | cpu:<N>MiB | a byte count (a GPU). Throws ConfigError naming the spec and the names it knows.
 Target parse_target(const std::string& spec);
 
 }  // namespace memtrain
