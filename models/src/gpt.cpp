@@ -8,6 +8,7 @@
 #include <cmath>
 #include <sstream>
 
+#include "memtrain/models/family.h"
 #include "memtrain/core/error.h"
 #include "memtrain/models/lora.h"
 
@@ -162,5 +163,49 @@ TransformerShape GPTOptions::shape() const {
 }
 
 int64_t GPTOptions::root_parameter_count() const { return vocab_size * n_embd + block_size * n_embd + 2 * n_embd; }
+
+
+GPTOptions gpt_options(const ModelConfig& c, int64_t vocab) {
+  GPTOptions o;
+  if (c.preset != "custom") {
+    o = GPTOptions::preset(c.preset);
+  } else {
+    o.n_layer = c.n_layer, o.n_head = c.n_head, o.n_embd = c.n_embd, o.block_size = c.block_size;
+  }
+  o.dropout = c.dropout;
+  o.bias = c.bias;
+  if (c.vocab_size > 0) o.vocab_size = c.vocab_size;
+  else if (c.preset == "custom" || c.preset == "tiny") o.vocab_size = vocab;
+  return o;
+}
+
+const ModelFamily& gpt_family() {
+  static const ModelFamily family{
+      .name = "gpt",
+      .reads_tokens = true,
+      .build = [](const ModelConfig& c, const DataInfo& data) -> std::shared_ptr<Model> {
+        const auto o = gpt_options(c, data.vocab_size);
+        MEMTRAIN_CHECK(o.vocab_size >= data.vocab_size, ConfigError, "[model] vocab_size ", o.vocab_size,
+                       " is smaller than the data's vocabulary (", data.vocab_size, " tokens)");
+        return std::make_shared<GPT>(o);
+      },
+      .context = [](const ModelConfig& c) { return c.preset != "custom" ? GPTOptions::preset(c.preset).block_size : c.block_size; },
+      .preset_vocab = [](const ModelConfig& c) -> int64_t {
+        return c.preset != "custom" && c.preset != "tiny" ? GPTOptions::preset(c.preset).vocab_size : 0;
+      },
+      .shape = [](const ModelConfig& c, int64_t vocab) { return gpt_options(c, vocab).shape(); },
+      .tensors = [](const ModelConfig& c, int64_t vocab) {
+        const auto o = gpt_options(c, vocab);
+        const int64_t C = o.n_embd;
+        ModelTensors t;
+        t.block = {3 * C * C, C * C, 4 * C * C, 4 * C * C, C, C, C, C};  // qkv, proj, fc, proj; two LayerNorms
+        if (o.bias) t.block.insert(t.block.end(), {3 * C, C, 4 * C, C});
+        t.root = {o.vocab_size * C, o.block_size * C, C, C};             // tied head
+        t.layers = o.n_layer;
+        return t;
+      },
+  };
+  return family;
+}
 
 }  // namespace memtrain

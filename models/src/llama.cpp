@@ -8,6 +8,7 @@
 #include <numbers>
 #include <sstream>
 
+#include "memtrain/models/family.h"
 #include "memtrain/core/error.h"
 #include "memtrain/models/lora.h"
 
@@ -258,6 +259,59 @@ std::string Llama::describe() const {
      << " kv), MLP " << o.ffn_hidden << ", context " << o.block_size << ", vocab " << o.vocab_size
      << (o.tie_embeddings ? ", tied head" : "") << ", " << num_parameters() << " parameters";
   return os.str();
+}
+
+
+LlamaOptions llama_options(const ModelConfig& c, int64_t vocab) {
+  LlamaOptions o;
+  if (c.preset != "custom") {
+    o = LlamaOptions::preset(c.preset);
+  } else {
+    o.n_layer = c.n_layer, o.n_head = c.n_head, o.n_embd = c.n_embd;
+    o.n_kv_head = c.n_kv_head > 0 ? c.n_kv_head : c.n_head;
+    // SwiGLU's 8/3 width (Shazeer 2020, as Llama sizes it) rounded up to a multiple of 64.
+    o.ffn_hidden = c.ffn_hidden > 0 ? c.ffn_hidden : (8 * c.n_embd / 3 + 63) / 64 * 64;
+    o.rope_theta = c.rope_theta, o.norm_eps = c.norm_eps, o.tie_embeddings = c.tie_embeddings;
+    o.qkv_bias = c.attn_bias != "none", o.out_bias = c.attn_bias == "all";
+    o.vocab_size = c.vocab_size > 0 ? c.vocab_size : vocab;
+    if (auto r = parse_rope_scaling(c.rope_scaling))
+      o.rope_scaling = {.type = "llama3", .factor = r->factor, .low_freq_factor = r->low_freq_factor,
+                        .high_freq_factor = r->high_freq_factor, .original_max_position = r->original_context};
+  }
+  o.block_size = c.block_size;
+  return o;
+}
+
+const ModelFamily& llama_family() {
+  static const ModelFamily family{
+      .name = "llama",
+      .reads_tokens = true,
+      .build = [](const ModelConfig& c, const DataInfo& data) -> std::shared_ptr<Model> {
+        const auto o = llama_options(c, data.vocab_size);
+        MEMTRAIN_CHECK(o.vocab_size >= data.vocab_size, ConfigError, "[model] vocab_size ", o.vocab_size,
+                       " is smaller than the data's vocabulary (", data.vocab_size, " tokens)");
+        return std::make_shared<Llama>(o);
+      },
+      .context = [](const ModelConfig& c) { return c.block_size; },  // a preset leaves the training context free
+      .preset_vocab = [](const ModelConfig& c) -> int64_t {
+        return c.preset != "custom" ? LlamaOptions::preset(c.preset).vocab_size : 0;
+      },
+      .shape = [](const ModelConfig& c, int64_t vocab) { return llama_options(c, vocab).shape(); },
+      .tensors = [](const ModelConfig& c, int64_t vocab) {
+        const auto o = llama_options(c, vocab);
+        const int64_t C = o.n_embd, q = o.n_head * o.head_dim(), kv = o.n_kv_head * o.head_dim(), F = o.ffn_hidden;
+        ModelTensors t;
+        t.block = {C * q, C * kv, C * kv, q * C, C * F, C * F, F * C, C, C};
+        if (o.qkv_bias) t.block.insert(t.block.end(), {q, kv, kv});
+        if (o.out_bias) t.block.push_back(C);
+        if (o.mlp_bias) t.block.insert(t.block.end(), {F, F, C});
+        t.root = {o.vocab_size * C, C};
+        if (!o.tie_embeddings) t.root.push_back(o.vocab_size * C);
+        t.layers = o.n_layer;
+        return t;
+      },
+  };
+  return family;
 }
 
 }  // namespace memtrain

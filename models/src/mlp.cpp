@@ -2,6 +2,7 @@
 
 #include <sstream>
 
+#include "memtrain/models/family.h"
 #include "memtrain/core/error.h"
 
 namespace memtrain {
@@ -30,6 +31,23 @@ std::string MLP::describe() const {
   for (auto h : options_.hidden) os << "-" << h;
   os << "-" << options_.num_classes << ", " << num_parameters() << " parameters";
   return os.str();
+}
+
+
+const ModelFamily& mlp_family() {
+  static const ModelFamily family{
+      .name = "mlp",
+      .build = [](const ModelConfig& c, const DataInfo& data) -> std::shared_ptr<Model> {
+        MLPOptions o;
+        o.in_features = data.channels * data.image_size * data.image_size;
+        o.num_classes = data.num_classes;
+        o.hidden.clear();
+        std::stringstream ss(c.hidden);
+        for (std::string item; std::getline(ss, item, ',');) o.hidden.push_back(std::stoll(item));
+        return std::make_shared<MLP>(o);
+      },
+  };
+  return family;
 }
 
 }  // namespace memtrain

@@ -7,6 +7,7 @@
 
 #include <sstream>
 
+#include "memtrain/models/family.h"
 #include "memtrain/core/error.h"
 
 namespace memtrain {
@@ -145,6 +146,20 @@ std::string ResNet::describe() const {
      << options_.image_size << "x" << options_.image_size << "x" << options_.in_channels << " -> "
      << options_.num_classes << "), " << num_parameters() << " parameters";
   return os.str();
+}
+
+
+const ModelFamily& resnet_family() {
+  static const ModelFamily family{
+      .name = "resnet",
+      .build = [](const ModelConfig& c, const DataInfo& data) -> std::shared_ptr<Model> {
+        ResNetOptions o;
+        o.depth = c.depth, o.width = c.width, o.stem = c.stem;
+        o.in_channels = data.channels, o.num_classes = data.num_classes, o.image_size = data.image_size;
+        return std::make_shared<ResNet>(o);
+      },
+  };
+  return family;
 }
 
 }  // namespace memtrain

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "memtrain/core/error.h"
+#include "memtrain/models/family.h"
 #include "memtrain/models/gpt.h"
 #include "memtrain/models/hugging_face.h"
 #include "memtrain/models/mlp.h"
@@ -25,7 +26,8 @@ namespace {
 }  // namespace
 
 int64_t context_length(const ModelConfig& c) {
-  return c.name == "gpt" && c.preset != "custom" ? GPTOptions::preset(c.preset).block_size : c.block_size;
+  const auto& f = model_family(c.name);
+  return f.context ? f.context(c) : c.block_size;
 }
 
 LoraOptions lora_options(const LoraConfig& l) {
@@ -44,41 +46,22 @@ TrainableSelection select_trainable(Model& model, const Config& c) {
   return out;
 }
 
-bool is_language_model(const ModelConfig& c) { return c.name == "gpt" || c.name == "llama"; }
+bool is_language_model(const ModelConfig& c) { return model_family(c.name).reads_tokens; }
 
-LlamaOptions llama_options(const ModelConfig& c, int64_t vocab) {
-  LlamaOptions o;
-  if (c.preset != "custom") {
-    o = LlamaOptions::preset(c.preset);
-  } else {
-    o.n_layer = c.n_layer, o.n_head = c.n_head, o.n_embd = c.n_embd;
-    o.n_kv_head = c.n_kv_head > 0 ? c.n_kv_head : c.n_head;
-    // SwiGLU's 8/3 width (Shazeer 2020, as Llama sizes it) rounded up to a multiple of 64.
-    o.ffn_hidden = c.ffn_hidden > 0 ? c.ffn_hidden : (8 * c.n_embd / 3 + 63) / 64 * 64;
-    o.rope_theta = c.rope_theta, o.norm_eps = c.norm_eps, o.tie_embeddings = c.tie_embeddings;
-    o.qkv_bias = c.attn_bias != "none", o.out_bias = c.attn_bias == "all";
-    o.vocab_size = c.vocab_size > 0 ? c.vocab_size : vocab;
-    if (auto r = parse_rope_scaling(c.rope_scaling))
-      o.rope_scaling = {.type = "llama3", .factor = r->factor, .low_freq_factor = r->low_freq_factor,
-                        .high_freq_factor = r->high_freq_factor, .original_max_position = r->original_context};
-  }
-  o.block_size = c.block_size;
-  return o;
-}
+bool has_closed_form(const ModelConfig& c) { return static_cast<bool>(model_family(c.name).shape); }
 
-GPTOptions gpt_options(const ModelConfig& c, int64_t vocab) {
-  GPTOptions o;
-  if (c.preset != "custom") {
-    o = GPTOptions::preset(c.preset);
-  } else {
-    o.n_layer = c.n_layer, o.n_head = c.n_head, o.n_embd = c.n_embd, o.block_size = c.block_size;
-  }
-  o.dropout = c.dropout;
-  o.bias = c.bias;
-  if (c.vocab_size > 0) o.vocab_size = c.vocab_size;
-  else if (c.preset == "custom" || c.preset == "tiny") o.vocab_size = vocab;
-  return o;
+namespace {
+// The families that have something, for messages: "gpt and llama", "gpt | llama".
+std::string families_where(bool (*has)(const ModelFamily&), const char* separator) {
+  std::string out;
+  for (const auto* f : model_families())
+    if (has(*f)) out += (out.empty() ? "" : separator) + f->name;
+  return out;
 }
+std::string closed_form_families() {
+  return families_where([](const ModelFamily& f) { return static_cast<bool>(f.shape); }, " and ");
+}
+}  // namespace
 
 double reduced_part_bytes_per_element(const TrainOptions& t, const DistConfig& d, int world, bool cuda) {
   const bool bf16 = t.param_dtype == "bf16";
@@ -92,8 +75,8 @@ int64_t config_vocab(const Config& config) {
   // The vocabulary without reading the data: the key, the preset's, or byte-level text's 256.
   const auto& c = config.model;
   int64_t vocab = c.vocab_size;
-  if (vocab == 0 && c.preset != "custom" && c.preset != "tiny")
-    vocab = c.name == "gpt" ? GPTOptions::preset(c.preset).vocab_size : LlamaOptions::preset(c.preset).vocab_size;
+  const auto& family = model_family(c.name);
+  if (vocab == 0 && family.preset_vocab) vocab = family.preset_vocab(c);
   if (vocab == 0 && config.data.dataset == "text" && config.data.tokens.empty()) vocab = 256;
   MEMTRAIN_CHECK(vocab > 0, ConfigError, "[estimate] --target reads no data: set model.vocab_size (the token set's "
                  "vocabulary) or a preset");
@@ -101,40 +84,21 @@ int64_t config_vocab(const Config& config) {
 }
 
 TransformerShape config_transformer_shape(const Config& config) {
-  MEMTRAIN_CHECK(is_language_model(config.model), ConfigError, "[estimate] model.name = ", config.model.name,
-                 " has no closed form (gpt and llama do)");
-  const int64_t vocab = config_vocab(config);
-  return config.model.name == "gpt" ? gpt_options(config.model, vocab).shape() : llama_options(config.model, vocab).shape();
+  MEMTRAIN_CHECK(has_closed_form(config.model), ConfigError, "[estimate] model.name = ", config.model.name,
+                 " has no closed form (", closed_form_families(), " do)");
+  return model_family(config.model.name).shape(config.model, config_vocab(config));
 }
 
 EstimateInputs model_state_inputs(const Config& config, int world) {
   const auto& c = config.model;
-  MEMTRAIN_CHECK(is_language_model(c), ConfigError, "[estimate] --target estimates gpt and llama without building them; "
-                 "model.name = ", c.name, " is estimated by building it and probing (memtrain estimate without --target)");
+  MEMTRAIN_CHECK(has_closed_form(c), ConfigError, "[estimate] --target estimates ", closed_form_families(),
+                 " without building them; model.name = ", c.name,
+                 " is estimated by building it and probing (memtrain estimate without --target)");
   MEMTRAIN_CHECK(config.train.freeze.empty(), ConfigError, "[estimate] --target does not count train.freeze (a pattern "
                  "over the built model's names); estimate it without --target");
   const int64_t vocab = config_vocab(config);
   // Each tensor's elements, a block's and the rest's (the root unit: embeddings, final norm, an untied head).
-  std::vector<int64_t> block, root;
-  int64_t layers = 0;
-  if (c.name == "gpt") {
-    const auto o = gpt_options(c, vocab);
-    const int64_t C = o.n_embd;
-    block = {3 * C * C, C * C, 4 * C * C, 4 * C * C, C, C, C, C};  // qkv, proj, fc, proj; two LayerNorms
-    if (o.bias) block.insert(block.end(), {3 * C, C, 4 * C, C});
-    root = {o.vocab_size * C, o.block_size * C, C, C};             // tied head
-    layers = o.n_layer;
-  } else {
-    const auto o = llama_options(c, vocab);
-    const int64_t C = o.n_embd, q = o.n_head * o.head_dim(), kv = o.n_kv_head * o.head_dim(), F = o.ffn_hidden;
-    block = {C * q, C * kv, C * kv, q * C, C * F, C * F, F * C, C, C};
-    if (o.qkv_bias) block.insert(block.end(), {q, kv, kv});
-    if (o.out_bias) block.push_back(C);
-    if (o.mlp_bias) block.insert(block.end(), {F, F, C});
-    root = {o.vocab_size * C, C};
-    if (!o.tie_embeddings) root.push_back(o.vocab_size * C);
-    layers = o.n_layer;
-  }
+  const auto [block, root, layers] = model_family(c.name).tensors(c, vocab);
   const int64_t block_all = std::accumulate(block.begin(), block.end(), int64_t{0});
   const int64_t root_all = std::accumulate(root.begin(), root.end(), int64_t{0});
   if (config.lora.rank > 0) {
@@ -184,42 +148,14 @@ EstimateInputs estimate_settings(const TrainOptions& t, const DistConfig& d, int
   return in;
 }
 
-std::shared_ptr<Model> make_model(const ModelConfig& c, const DataInfo& data) {
-  if (c.name == "gpt") {
-    const auto o = gpt_options(c, data.vocab_size);
-    MEMTRAIN_CHECK(o.vocab_size >= data.vocab_size, ConfigError, "[model] vocab_size ", o.vocab_size,
-                   " is smaller than the data's vocabulary (", data.vocab_size, " tokens)");
-    return std::make_shared<GPT>(o);
-  }
-  if (c.name == "llama") {
-    auto o = llama_options(c, data.vocab_size);
-    MEMTRAIN_CHECK(o.vocab_size >= data.vocab_size, ConfigError, "[model] vocab_size ", o.vocab_size,
-                   " is smaller than the data's vocabulary (", data.vocab_size, " tokens)");
-    return std::make_shared<Llama>(o);
-  }
-  if (c.name == "resnet") {
-    ResNetOptions o;
-    o.depth = c.depth, o.width = c.width, o.stem = c.stem;
-    o.in_channels = data.channels, o.num_classes = data.num_classes, o.image_size = data.image_size;
-    return std::make_shared<ResNet>(o);
-  }
-  if (c.name == "mlp") {
-    MLPOptions o;
-    o.in_features = data.channels * data.image_size * data.image_size;
-    o.num_classes = data.num_classes;
-    o.hidden.clear();
-    std::stringstream ss(c.hidden);
-    for (std::string item; std::getline(ss, item, ',');) o.hidden.push_back(std::stoll(item));
-    return std::make_shared<MLP>(o);
-  }
-  unhandled("model.name", c.name);
-}
+std::shared_ptr<Model> make_model(const ModelConfig& c, const DataInfo& data) { return model_family(c.name).build(c, data); }
 
 std::unique_ptr<Dataset> make_dataset(const Config& c, const Shard& shard) {
   const auto& d = c.data;
   if (d.dataset == "text") {
     MEMTRAIN_CHECK(is_language_model(c.model), ConfigError,
-                   "[config] data.dataset = text needs a language model (model.name = gpt | llama), got '", c.model.name, "'");
+                   "[config] data.dataset = text needs a language model (model.name = ",
+                   families_where([](const ModelFamily& f) { return f.reads_tokens; }, " | "), "), got '", c.model.name, "'");
     TextDataOptions o;
     o.path = d.path.empty() ? (fs::path(default_data_dir()) / "text" / "austen.txt").string() : d.path;
     o.tokens = d.tokens, o.val_tokens = d.val_tokens, o.token_format = d.token_format;
@@ -236,7 +172,8 @@ std::unique_ptr<Dataset> make_dataset(const Config& c, const Shard& shard) {
   }
   if (d.dataset == "fashion_mnist") {
     MEMTRAIN_CHECK(!is_language_model(c.model), ConfigError,
-                   "[config] data.dataset = fashion_mnist needs an image model (resnet | mlp), got '", c.model.name, "'");
+                   "[config] data.dataset = fashion_mnist needs an image model (",
+                   families_where([](const ModelFamily& f) { return !f.reads_tokens; }, " | "), "), got '", c.model.name, "'");
     FashionMnistOptions o;
     o.root = d.path.empty() ? (fs::path(default_data_dir()) / "fashion-mnist").string() : d.path;
     o.val_fraction = d.val_fraction, o.seed = c.train.seed, o.accum_steps = c.train.accum_steps;
@@ -247,10 +184,9 @@ std::unique_ptr<Dataset> make_dataset(const Config& c, const Shard& shard) {
     o.seed = c.train.seed;
     o.text = is_language_model(c.model);
     if (o.text) {
-      int64_t preset_vocab = 256;
-      if (c.model.name == "gpt" && c.model.preset != "custom") preset_vocab = GPTOptions::preset(c.model.preset).vocab_size;
-      if (c.model.name == "llama" && c.model.preset != "custom") preset_vocab = LlamaOptions::preset(c.model.preset).vocab_size;
-      o.info.vocab_size = c.model.vocab_size > 0 ? c.model.vocab_size : preset_vocab;
+      const auto& family = model_family(c.model.name);
+      const int64_t preset_vocab = family.preset_vocab ? family.preset_vocab(c.model) : 0;
+      o.info.vocab_size = c.model.vocab_size > 0 ? c.model.vocab_size : preset_vocab > 0 ? preset_vocab : 256;
       o.block_size = context_length(c.model);
     } else {
       o.info = DataInfo{};  // Fashion-MNIST's shape: 1 x 28 x 28, 10 classes

@@ -293,6 +293,11 @@ void RunReport::finish(const EvalResult& val, const std::optional<EvalResult>& t
   const auto& c = t_.config();
   auto& summary = summary_->json;
   summary = {{"steps", t_.current_step()}, {"final_train_loss", last_loss_}, {"world_size", t_.world().world_size}};
+  // The settings the run trained with: the config's own, or memory.budget_mib's plan applied to it (`planned`).
+  summary["settings"] = {{"micro_batch", c.train.micro_batch},   {"accum_steps", c.train.accum_steps},
+                         {"recompute", c.memory.recompute},      {"head", c.memory.head},
+                         {"zero_stage", c.dist.zero_stage},      {"offload_optimizer", c.dist.offload_optimizer},
+                         {"optimizer", c.train.optimizer},       {"planned", parse_budget_mib(c.memory.budget_mib) != 0}};
   if (first_logged_step_ >= 0 && last_logged_step_ > first_logged_step_) {  // after the first step, all ranks together
     const auto rate = rates(static_cast<double>(last_logged_step_ - first_logged_step_),
                             std::chrono::duration<double>(last_log_time_ - first_log_time_).count());

@@ -488,7 +488,7 @@ ActivationProbe Trainer::closed_form_probe(bool keep_grads, int64_t micro_batch,
 
 void Trainer::check_fits_before_building() const {
   const auto& c = config_;
-  if (!c.memory.estimate || c.memory.estimate_method == "probe" || !is_language_model(c.model) || !c.lora.init_from.empty() ||
+  if (!c.memory.estimate || c.memory.estimate_method == "probe" || !has_closed_form(c.model) || !c.lora.init_from.empty() ||
       !c.train.freeze.empty() || !c.model.init_from.empty() || parse_budget_mib(c.memory.budget_mib) != 0 ||
       RecomputePolicy::parse(c.memory.recompute).mode == RecomputePolicy::Mode::kBudget)
     return;  // the planner sizes its own settings; init_from's shape is read with the model; train.freeze is probed

@@ -2,6 +2,7 @@
 
 #include "helpers.h"
 #include "memtrain/core/error.h"
+#include "memtrain/models/family.h"
 #include "memtrain/runtime/factories.h"
 
 #include <map>
@@ -38,6 +39,46 @@ TEST(Factories, EveryModelNameIsBuilt) {
     } else {
       EXPECT_EQ(model->forward(torch::zeros({2, 1, 28, 28})).sizes(), (std::vector<int64_t>{2, 10}));
     }
+  }
+}
+
+// The families registered (models/family.h) are the names the config accepts, each once; a family that gives no
+// shape is never estimated in closed form (a name the registry reads as a language model is not costed as another).
+TEST(Factories, EveryModelNameIsOneRegisteredFamily) {
+  std::vector<std::string> registered;
+  for (const auto* f : model_families()) registered.push_back(f->name);
+  std::vector<std::string> accepted(choices::model_name.begin(), choices::model_name.end());
+  EXPECT_EQ(registered, accepted);
+  EXPECT_THROW(model_family("gemma"), ConfigError);
+  EXPECT_NE(test::error_of([] { model_family("gemma"); }).find("expected gpt | llama | resnet | mlp"), std::string::npos);
+  for (const auto* f : model_families()) {
+    SCOPED_TRACE(f->name);
+    EXPECT_TRUE(f->build);
+    // The closed form's shape and its tensor list come together, and only for models that read tokens.
+    EXPECT_EQ(static_cast<bool>(f->shape), static_cast<bool>(f->tensors));
+    if (f->shape) {
+      EXPECT_TRUE(f->reads_tokens);
+    }
+  }
+  // An image model asked for a closed form: an error naming the families that have one.
+  Config c;
+  c.model.name = "resnet";
+  EXPECT_NE(test::error_of([&] { config_transformer_shape(c); }).find("has no closed form (gpt and llama do)"), std::string::npos);
+  EXPECT_NE(test::error_of([&] { model_state_inputs(c, 1); }).find("--target estimates gpt and llama without building them"),
+            std::string::npos);
+  // Each family's tensors by shape are its built model's parameters (a Llama with GQA and biases, a GPT without).
+  for (const auto& [name, extra] : std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {"gpt", {"--model.bias=false"}}, {"llama", {"--model.n_kv_head=2", "--model.attn_bias=qkv"}}}) {
+    SCOPED_TRACE(name);
+    auto args = extra;
+    args.insert(args.end(), {"--model.name=" + name, "--model.n_layer=2", "--model.n_head=4", "--model.n_embd=32",
+                             "--model.block_size=16", "--model.vocab_size=300"});
+    const auto config = Config::load("", args);
+    const auto t = model_family(name).tensors(config.model, 300);
+    int64_t total = 0;
+    for (auto n : t.block) total += n * t.layers;
+    for (auto n : t.root) total += n;
+    EXPECT_EQ(total, make_model(config.model, DataInfo{.vocab_size = 300})->num_parameters());
   }
 }
 

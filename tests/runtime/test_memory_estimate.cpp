@@ -747,8 +747,13 @@ TEST(TargetEstimate, PlanListsSettingsThatFitBestFirstAndWritesAnIniThatRuns) {
                                    " --log.name=cpu 2>&1",
                                &code);
   ASSERT_EQ(code, 0) << run;
-  std::ifstream summary(dir.path("cpu/summary.json"));
-  const auto measured = nlohmann::json::parse(summary)["peak_allocated_bytes"]["rank0/cpu"].get<double>();
+  std::ifstream summary_file(dir.path("cpu/summary.json"));
+  const auto summary = nlohmann::json::parse(summary_file);
+  const auto measured = summary["peak_allocated_bytes"]["rank0/cpu"].get<double>();
+  // summary.json records the settings the run trained with.
+  EXPECT_EQ(summary["settings"]["micro_batch"].get<int64_t>(), planned.train.micro_batch);
+  EXPECT_EQ(summary["settings"]["recompute"].get<std::string>(), planned.memory.recompute);
+  EXPECT_FALSE(summary["settings"]["planned"].get<bool>());
   const double text = static_cast<double>(fs::file_size(fs::path(default_data_dir()) / "text" / "austen.txt"));
   EXPECT_NEAR(static_cast<double>(listed) + text, measured, 0.1 * measured) << cpu_out << run;
   EXPECT_LE(measured - text, static_cast<double>(cpu_target.bytes)) << cpu_out << run;

@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <nlohmann/json.hpp>
+
 #include "helpers.h"
 #include "memtrain/runtime/planner.h"
 #include "memtrain/runtime/step_time.h"
@@ -124,6 +127,27 @@ TEST(Planner, EachPlannedRunFitsItsBudgetAndTrainsAsTheUnplannedRun) {
     // The same samples: another micro-batch split sums them in another order (fp32 rounding apart).
     for (size_t i = 0; i < losses.size(); ++i) EXPECT_NEAR(losses[i], plain_losses[i], 1e-4 * plain_losses[i]) << i;
   }
+}
+
+// The plan is a value: applied once, written into the run's config.ini and recorded in summary.json.
+TEST(Planner, APlannedRunRecordsItsSettingsInTheSummary) {
+  test::TempDir dir;
+  int code = -1;
+  const auto out = test::shell(test::binary("memtrain") + " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
+                                   " --memory.budget_mib=40 --train.steps=2 --train.eval_batches=1 "
+                                   "--checkpoint.save_final=false --log.dir=" + dir.path() + " --log.name=p 2>&1",
+                               &code);
+  ASSERT_EQ(code, 0) << out;
+  std::ifstream summary_file(dir.path("p/summary.json"));
+  const auto settings = nlohmann::json::parse(summary_file)["settings"];
+  const auto ini = Config::load(dir.path("p/config.ini"), {});
+  EXPECT_TRUE(settings["planned"].get<bool>());
+  EXPECT_EQ(settings["micro_batch"].get<int64_t>() * settings["accum_steps"].get<int64_t>(), 16);
+  EXPECT_LT(settings["micro_batch"].get<int64_t>(), 16) << "40 MiB does not hold 16 x 1 without recompute";
+  EXPECT_EQ(settings["micro_batch"].get<int64_t>(), ini.train.micro_batch);
+  EXPECT_EQ(settings["recompute"].get<std::string>(), ini.memory.recompute);
+  EXPECT_EQ(settings["head"].get<std::string>(), ini.memory.head);
+  EXPECT_NE(out.find("chosen:"), std::string::npos) << out;  // printed once, at the start
 }
 
 TEST(Planner, AnImpossibleBudgetIsAnErrorBeforeTraining) {

@@ -36,6 +36,11 @@ struct GPTOptions {
   TransformerShape shape() const;
 };
 
+struct ModelConfig;
+// The options model.name = gpt describes (its preset's shape, or the keys'), vocabulary `vocab` where neither the key
+// nor the preset gives one.
+GPTOptions gpt_options(const ModelConfig& config, int64_t vocab);
+
 class CausalSelfAttentionImpl : public torch::nn::Module {
  public:
   explicit CausalSelfAttentionImpl(const GPTOptions& o);

@@ -59,6 +59,11 @@ struct LlamaOptions {
   static std::string preset_names();
 };
 
+struct ModelConfig;
+// The options model.name = llama describes (its preset's shape, or the keys'), vocabulary `vocab` where neither
+// gives one.
+LlamaOptions llama_options(const ModelConfig& config, int64_t vocab);
+
 class RMSNormImpl : public torch::nn::Module {
  public:
   RMSNormImpl(int64_t dim, double eps);

@@ -11,6 +11,7 @@
 
 #include "memtrain/core/config.h"
 #include "memtrain/data/datasets.h"
+#include "memtrain/models/family.h"
 #include "memtrain/models/gpt.h"
 #include "memtrain/models/llama.h"
 #include "memtrain/models/lora.h"
@@ -26,15 +27,13 @@ namespace memtrain {
 std::shared_ptr<Model> make_model(const ModelConfig& config, const DataInfo& data);
 // data.dataset (choices::dataset); a language model's context length from [model].
 std::unique_ptr<Dataset> make_dataset(const Config& config, const Shard& shard);
-// A language model's context length: model.block_size, or its GPT preset's.
+// A language model's context length: model.block_size, or its family's (a GPT preset's).
 int64_t context_length(const ModelConfig& config);
-// gpt and llama: the models that read token ids.
+// The models that read token ids (their family's reads_tokens: gpt and llama).
 bool is_language_model(const ModelConfig& config);
-// The Llama options model.name = llama describes (its preset's shape, or the keys'), vocabulary `vocab`
-// where neither gives one.
-LlamaOptions llama_options(const ModelConfig& config, int64_t vocab);
-// The GPT options model.name = gpt describes, vocabulary `vocab` where neither the key nor the preset gives one.
-GPTOptions gpt_options(const ModelConfig& config, int64_t vocab);
+// The models whose family gives a shape for the closed-form estimate (gpt and llama); the others are probed.
+bool has_closed_form(const ModelConfig& config);
+// gpt_options and llama_options (models/gpt.h, models/llama.h): the options a config describes.
 // What the config fixes in an estimate's inputs: bytes per element of the parameters (bf16 or fp32), masters and
 // optimizer state (low-bit: which of `trained`, the trained tensors' elements, are quantized), [dist] for `world`
 // ranks, and the batch.

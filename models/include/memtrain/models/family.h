@@ -1,0 +1,56 @@
+// A model family: what the rest of memtrain needs of one kind of model, defined beside the model and registered once
+// (model_families(), models/src/family.cpp), as torchtitan registers a TrainSpec per model folder. The runtime's
+// factories, the estimator and `--target` read a family through this, never through its name.
+//
+//   const ModelFamily& f = model_family(cfg.model.name);     // ConfigError naming the families for an unknown one
+//   auto model = f.build(cfg.model, data->info());
+//   if (f.shape) TransformerShape s = f.shape(cfg.model, vocab);   // a closed form for its activations
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "memtrain/core/activation_model.h"
+#include "memtrain/core/config.h"
+#include "memtrain/core/data_info.h"
+#include "memtrain/models/model.h"
+
+namespace memtrain {
+
+// Each tensor's elements, from shapes alone: one block's (every block alike) and the rest's (the root unit:
+// embeddings, final norm, an untied head).
+struct ModelTensors {
+  std::vector<int64_t> block, root;
+  int64_t layers = 0;
+};
+
+struct ModelFamily {
+  std::string name{};          // model.name
+  bool reads_tokens = false;   // a language model: token ids in, a loss over the vocabulary out
+  // The model the config describes, for the data's vocabulary or image shape.
+  std::function<std::shared_ptr<Model>(const ModelConfig&, const DataInfo&)> build = nullptr;
+  // Tokens per sample (language models; null: model.block_size).
+  std::function<int64_t(const ModelConfig&)> context = nullptr;
+  // The preset's vocabulary, 0 where the preset fixes none (custom; null: the family has no presets).
+  std::function<int64_t(const ModelConfig&)> preset_vocab = nullptr;
+  // What the estimator reads without building the model (null: estimated by building it and probing): the shape
+  // its activations are computed from in closed form (core/activation_model.h) and each tensor's elements.
+  std::function<TransformerShape(const ModelConfig&, int64_t vocab)> shape = nullptr;
+  std::function<ModelTensors(const ModelConfig&, int64_t vocab)> tensors = nullptr;
+};
+
+// Every family this build knows, in registration order.
+const std::vector<const ModelFamily*>& model_families();
+// The family of model.name; ConfigError naming the known ones.
+const ModelFamily& model_family(const std::string& name);
+
+// The registrations, each defined beside its model (gpt.cpp, llama.cpp, resnet.cpp, mlp.cpp).
+const ModelFamily& gpt_family();
+const ModelFamily& llama_family();
+const ModelFamily& resnet_family();
+const ModelFamily& mlp_family();
+
+}  // namespace memtrain
