@@ -151,26 +151,25 @@ inline std::string wait_at_most(const std::string& pid, int seconds) {
          " 2>/dev/null; wait " + pid;
 }
 
-// The "loss" of each line of a run's metrics.jsonl, in order (a resumed run's lines appended).
-inline std::vector<double> metric_losses(const std::string& metrics_jsonl) {
+// The number `key` of each line of a run's metrics.jsonl that has it, in order (a resumed run's lines appended).
+inline std::vector<double> metric_values(const std::string& metrics_jsonl, const std::string& key) {
   std::vector<double> out;
   std::ifstream in(metrics_jsonl);
   std::smatch m;
+  const std::regex number("\"" + key + "\":([^,}]+)");
   for (std::string line; std::getline(in, line);)
-    if (std::regex_search(line, m, std::regex("\"loss\":([^,}]+)"))) out.push_back(std::stod(m[1]));
+    if (std::regex_search(line, m, number)) out.push_back(std::stod(m[1]));
   return out;
 }
 
-// The "grad_norm" of each line of a run's metrics.jsonl, in order: the global gradient norm before clipping. A
-// reduction that sums where it should average leaves AdamW's losses alone (its update and clipping are blind to a
-// common scale of the gradients) but multiplies this norm by the world size.
+// Each line's "loss".
+inline std::vector<double> metric_losses(const std::string& metrics_jsonl) { return metric_values(metrics_jsonl, "loss"); }
+
+// Each line's "grad_norm": the global gradient norm before clipping. A reduction that sums where it should average
+// leaves AdamW's losses alone (its update and clipping are blind to a common scale of the gradients) but multiplies
+// this norm by the world size.
 inline std::vector<double> metric_grad_norms(const std::string& metrics_jsonl) {
-  std::vector<double> out;
-  std::ifstream in(metrics_jsonl);
-  std::smatch m;
-  for (std::string line; std::getline(in, line);)
-    if (std::regex_search(line, m, std::regex("\"grad_norm\":([^,}]+)"))) out.push_back(std::stod(m[1]));
-  return out;
+  return metric_values(metrics_jsonl, "grad_norm");
 }
 
 // max |a - b| / (max |b| + tiny): a scale-free distance for comparing gradients.

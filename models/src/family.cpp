@@ -15,6 +15,11 @@ const std::vector<const ModelFamily*>& model_families() {
   return all;
 }
 
+void check_vocabulary(int64_t model_vocab, const DataInfo& data) {
+  MEMTRAIN_CHECK(model_vocab >= data.vocab_size, ConfigError, "[model] vocab_size ", model_vocab,
+                 " is smaller than the data's vocabulary (", data.vocab_size, " tokens)");
+}
+
 const ModelFamily& model_family(const std::string& name) {
   std::string known;
   for (const auto* f : model_families()) {

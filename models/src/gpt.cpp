@@ -185,8 +185,7 @@ const ModelFamily& gpt_family() {
       .reads_tokens = true,
       .build = [](const ModelConfig& c, const DataInfo& data) -> std::shared_ptr<Model> {
         const auto o = gpt_options(c, data.vocab_size);
-        MEMTRAIN_CHECK(o.vocab_size >= data.vocab_size, ConfigError, "[model] vocab_size ", o.vocab_size,
-                       " is smaller than the data's vocabulary (", data.vocab_size, " tokens)");
+        check_vocabulary(o.vocab_size, data);
         return std::make_shared<GPT>(o);
       },
       .context = [](const ModelConfig& c) { return c.preset != "custom" ? GPTOptions::preset(c.preset).block_size : c.block_size; },

@@ -288,8 +288,7 @@ const ModelFamily& llama_family() {
       .reads_tokens = true,
       .build = [](const ModelConfig& c, const DataInfo& data) -> std::shared_ptr<Model> {
         const auto o = llama_options(c, data.vocab_size);
-        MEMTRAIN_CHECK(o.vocab_size >= data.vocab_size, ConfigError, "[model] vocab_size ", o.vocab_size,
-                       " is smaller than the data's vocabulary (", data.vocab_size, " tokens)");
+        check_vocabulary(o.vocab_size, data);
         return std::make_shared<Llama>(o);
       },
       .context = [](const ModelConfig& c) { return c.block_size; },  // a preset leaves the training context free

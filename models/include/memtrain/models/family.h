@@ -42,6 +42,9 @@ struct ModelFamily {
   std::function<ModelTensors(const ModelConfig&, int64_t vocab)> tensors = nullptr;
 };
 
+// A language model's build: its vocabulary must hold the data's tokens (ConfigError naming both).
+void check_vocabulary(int64_t model_vocab, const DataInfo& data);
+
 // Every family this build knows, in registration order.
 const std::vector<const ModelFamily*>& model_families();
 // The family of model.name; ConfigError naming the known ones.
