@@ -19,6 +19,7 @@
 
 #include "memtrain/core/recompute_policy.h"
 #include "memtrain/core/error.h"
+#include "memtrain/core/family_config.h"
 #include "memtrain/core/hugging_face_config.h"
 
 namespace po = boost::program_options;
@@ -37,30 +38,65 @@ struct Entry {
   std::function<void()> check;  // throws ConfigError naming the key, the value and what is allowed
 };
 
-// The keys a model's preset fixes (none for preset = custom): an error beside it, and not printed by to_ini().
-std::vector<std::string> preset_fixed_keys(const ModelConfig& m) {
-  if (m.preset == "custom") return {};
-  if (m.name == "llama")
-    return {"model.n_layer",   "model.n_head",     "model.n_embd",       "model.vocab_size",
-            "model.n_kv_head", "model.ffn_hidden", "model.rope_theta",   "model.rope_scaling",
-            "model.norm_eps",  "model.tie_embeddings", "model.attn_bias", "model.max_positions"};
-  if (m.name == "gpt") return {"model.n_layer", "model.n_head", "model.n_embd", "model.block_size"};
-  return {};
+// The family of model.name, null for a name no family has (validate() says so).
+const FamilyConfig* family_or_null(const std::string& name) {
+  for (const auto* f : family_configs())
+    if (f->name == name) return f;
+  return nullptr;
 }
 
+// The keys a model's preset fixes (none for preset = custom): an error beside it, and not printed by to_ini().
+std::vector<std::string> preset_fixed_keys(const ModelConfig& m) {
+  const auto* f = family_or_null(m.name);
+  if (m.preset == "custom" || !f) return {};
+  return f->fixed_keys;
+}
+
+// Whether model.name reads key `e`: its family's key group is among the key's.
 bool applies_to(const Entry& e, const std::string& model) {
   if (e.group.empty()) return true;
+  const auto* f = family_or_null(model);
   std::istringstream words(e.group);
   for (std::string w; words >> w;)
-    if (w == model) return true;
+    if (f ? w == f->keys : w == model) return true;
   return false;
 }
 
-// "gpt llama" -> "gpt | llama", for --help and the reference page.
+// The families that read a key group, "gpt llama" -> "gpt | llama | phi3", for --help and the reference page.
 std::string group_names(const std::string& group) {
   std::istringstream words(group);
   std::string out;
-  for (std::string w; words >> w;) out.append(out.empty() ? "" : " | ").append(w);
+  for (std::string w; words >> w;)
+    for (const auto* f : family_configs())
+      if (f->keys == w) out.append(out.empty() ? "" : " | ").append(f->name);
+  return out;
+}
+
+// model.name: a registered family.
+void check_family_name(const std::string& key, const std::string& value) {
+  if (!family_or_null(value))
+    throw ConfigError(detail::concat("[config] ", key, " = '", value, "' is not allowed; expected one of: ", family_names()));
+}
+
+// model.preset: custom or some family's (validate() checks it is model.name's).
+void check_preset_name(const std::string& key, const std::string& value) {
+  if (value == "custom" || family_with_preset(value)) return;
+  std::string all = "custom";
+  for (const auto* f : family_configs())
+    for (const auto& p : f->presets)
+      if (p != "custom") all += " | " + p;
+  throw ConfigError(detail::concat("[config] ", key, " = '", value, "' is not allowed; expected one of: ", all));
+}
+
+// "gpt: custom | tiny | ...; llama: ...": each family's presets, for the help.
+std::string preset_help() {
+  std::string out;
+  for (const auto* f : family_configs()) {
+    if (f->presets.empty()) continue;
+    std::string names;
+    for (const auto& p : f->presets) names += (names.empty() ? "" : " | ") + p;
+    out += (out.empty() ? "" : "; ") + f->name + ": " + names;
+  }
   return out;
 }
 
@@ -176,9 +212,9 @@ std::vector<Entry> entries(Config& c) {
   auto& ck = c.checkpoint;
   auto& lo = c.lora;
   return {
-      entry("model.name", &m.name, choices::join(choices::model_name), one_of(choices::model_name)),
+      entry("model.name", &m.name, family_names(), Check<std::string>(check_family_name)),
       entry("model.init_from", &m.init_from, "a Hugging Face model folder (config.json, model*.safetensors): its config.json sets model.name and the shape, its weights the starting point; empty = random weights", "gpt llama"),
-      entry("model.preset", &m.preset, "gpt: " + choices::join(choices::gpt_preset) + "; llama: " + choices::join(choices::llama_preset) + " (a preset fixes the shape; a Llama preset leaves block_size, the training context, free)", "gpt llama", one_of(choices::model_preset)),
+      entry("model.preset", &m.preset, preset_help() + " (a preset fixes the shape; a Llama-shaped preset leaves block_size, the training context, free)", "gpt llama", Check<std::string>(check_preset_name)),
       entry("model.n_layer", &m.n_layer, "transformer blocks (preset = custom only)", "gpt llama", at_least<int64_t>(1)),
       entry("model.n_head", &m.n_head, "attention heads (preset = custom only)", "gpt llama", at_least<int64_t>(1)),
       entry("model.n_embd", &m.n_embd, "embedding width (preset = custom only)", "gpt llama"),
@@ -259,7 +295,8 @@ std::vector<Entry> entries(Config& c) {
             "estimate each rank's peak before step 1 (model states from element counts, activations in closed form "
             "or from a probe) and print it beside the measured peak"),
       entry("memory.estimate_method", &mem.estimate_method,
-            "auto: activations in closed form for gpt and llama without [lora] or train.freeze (nothing run or "
+            "auto: activations in closed form for a model family that has one (memtrain estimate --target names them) "
+            "without [lora] or train.freeze (nothing run or "
             "allocated; docs/ESTIMATE.md), a probe forward + backward at two small micro-batches otherwise | "
             "closed_form (an error where there is none) | probe", one_of(choices::estimate_method)),
       entry("memory.budget_mib", &mem.budget_mib,
@@ -506,13 +543,8 @@ Config Config::load(const std::string& path, const std::vector<std::string>& raw
 
   // A preset names its family: --model.preset=llama-3.1-8b alone is a Llama (a model.name given beside it must agree,
   // as validate() checks).
-  if (given("model.preset") && !given("model.name")) {
-    auto in = [&](const auto& presets) {
-      return c.model.preset != "custom" && std::find(presets.begin(), presets.end(), c.model.preset) != presets.end();
-    };
-    if (in(choices::gpt_preset)) c.model.name = "gpt";
-    else if (in(choices::llama_preset)) c.model.name = "llama";
-  }
+  if (given("model.preset") && !given("model.name"))
+    if (const auto* f = family_with_preset(c.model.preset)) c.model.name = f->name;
   // A folder that sets keys (model.init_from's config.json, lora.init_from's adapter_config.json): a key also
   // given here must say the same, compared as `canonical` shows it.
   auto must_agree = [&](const Config& from_folder, const std::vector<std::string>& keys, const std::string& source,
@@ -613,25 +645,16 @@ void Config::validate() const {
   // The rules that span keys.
   check_range("model.n_embd", model.n_embd, model.n_embd >= 1 && model.n_embd % model.n_head == 0,
               "a positive multiple of model.n_head");
-  if (model.name == "gpt" || model.name == "llama") {
-    const bool gpt = model.name == "gpt";
-    const auto& presets = gpt ? std::vector<std::string_view>(choices::gpt_preset.begin(), choices::gpt_preset.end())
-                              : std::vector<std::string_view>(choices::llama_preset.begin(), choices::llama_preset.end());
-    MEMTRAIN_CHECK(std::find(presets.begin(), presets.end(), model.preset) != presets.end(), ConfigError,
-                   "[config] model.preset = '", model.preset, "' is not a ", model.name, " preset; expected one of: ",
-                   gpt ? choices::join(choices::gpt_preset) : choices::join(choices::llama_preset));
+  // model.name's family: its presets and the rules across its keys.
+  const auto& family = family_config(model.name);
+  if (!family.presets.empty()) {
+    std::string names;
+    for (const auto& p : family.presets) names += (names.empty() ? "" : " | ") + p;
+    MEMTRAIN_CHECK(std::find(family.presets.begin(), family.presets.end(), model.preset) != family.presets.end(),
+                   ConfigError, "[config] model.preset = '", model.preset, "' is not a ", model.name,
+                   " preset; expected one of: ", names);
   }
-  if (model.name == "llama") {
-    const auto kv = model.n_kv_head == 0 ? model.n_head : model.n_kv_head;
-    MEMTRAIN_CHECK(model.n_head % kv == 0, ConfigError, "[config] model.n_kv_head = ", model.n_kv_head,
-                   " is out of range: expected a divisor of model.n_head = ", model.n_head);
-    MEMTRAIN_CHECK((model.n_embd / model.n_head) % 2 == 0, ConfigError, "[config] model.n_embd = ", model.n_embd,
-                   " is out of range: rotary embeddings need an even head width (n_embd / n_head = ",
-                   model.n_embd / model.n_head, ")");
-    MEMTRAIN_CHECK(model.max_positions == 0 || model.block_size <= model.max_positions, ConfigError,
-                   "[config] model.block_size = ", model.block_size, " is out of range: the model is made for at most ",
-                   model.max_positions, " positions (model.max_positions)");
-  }
+  if (family.validate) family.validate(model);
   MEMTRAIN_CHECK(lora.rank == 0 || !lora.targets.empty(), ConfigError, "[config] lora.rank = ", lora.rank,
                  " needs lora.targets: the names of the linear maps to adapt (q_proj,v_proj for a Llama, c_attn for a GPT)");
   MEMTRAIN_CHECK(lora.rank > 0 || lora.init_from.empty(), ConfigError, "[config] lora.init_from = ", lora.init_from,

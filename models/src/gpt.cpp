@@ -9,7 +9,9 @@
 #include <sstream>
 
 #include "memtrain/models/family.h"
+#include "memtrain/core/config_json.h"
 #include "memtrain/core/error.h"
+#include "memtrain/core/hugging_face_config.h"
 #include "memtrain/models/lora.h"
 
 namespace memtrain {
@@ -179,9 +181,71 @@ GPTOptions gpt_options(const ModelConfig& c, int64_t vocab) {
   return o;
 }
 
+namespace {
+
+// GPT-2's config.json (GPT2LMHeadModel), both ways.
+void read_gpt2_config(const ConfigJson& j, HuggingFaceModel& out) {
+  auto& m = out.config;
+  m.name = "gpt";
+  m.n_layer = j.get<int64_t>("n_layer"), m.n_head = j.get<int64_t>("n_head"), m.n_embd = j.get<int64_t>("n_embd");
+  m.block_size = j.get<int64_t>("n_positions"), m.vocab_size = j.get<int64_t>("vocab_size");
+  out.keys = {"model.name", "model.preset", "model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
+              "model.vocab_size", "model.bias"};
+  m.preset = "custom", m.bias = true;
+  if (j.has("n_inner") && j.get<int64_t>("n_inner") != 4 * m.n_embd)
+    j.unsupported(detail::concat("n_inner = ", j.get<int64_t>("n_inner")), detail::concat("null or 4 n_embd = ", 4 * m.n_embd));
+  const auto act = j.get<std::string>("activation_function", "gelu_new");
+  if (act != "gelu_new" && act != "gelu_pytorch_tanh") j.unsupported("activation_function = " + act, "gelu_new");
+  if (j.get<double>("layer_norm_epsilon", 1e-5) != 1e-5)
+    j.unsupported(detail::concat("layer_norm_epsilon = ", j.get<double>("layer_norm_epsilon")), "1e-05");
+  if (!j.get<bool>("tie_word_embeddings", true)) j.unsupported("tie_word_embeddings = false", "true for gpt2");
+  if (j.get<bool>("scale_attn_by_inverse_layer_idx", false)) j.unsupported("scale_attn_by_inverse_layer_idx = true", "false");
+  if (!j.get<bool>("scale_attn_weights", true)) j.unsupported("scale_attn_weights = false", "true");
+  if (j.get<bool>("add_cross_attention", false)) j.unsupported("add_cross_attention = true", "false");
+}
+
+std::string gpt2_config_json(const ModelConfig& m, const std::string& torch_dtype) {
+  nlohmann::json j;
+  j = {{"architectures", {"GPT2LMHeadModel"}},
+       {"model_type", "gpt2"},
+       {"vocab_size", m.vocab_size},
+       {"n_positions", m.block_size},
+       {"n_ctx", m.block_size},
+       {"n_embd", m.n_embd},
+       {"n_layer", m.n_layer},
+       {"n_head", m.n_head},
+       {"n_inner", nullptr},
+       {"activation_function", "gelu_new"},
+       {"layer_norm_epsilon", 1e-5},
+       {"initializer_range", 0.02},
+       {"resid_pdrop", m.dropout},
+       {"embd_pdrop", m.dropout},
+       {"attn_pdrop", m.dropout},
+       {"tie_word_embeddings", true}};
+  j["torch_dtype"] = torch_dtype;
+  return j.dump(2) + "\n";
+}
+
+// GPT-2's names: `transformer.` before memtrain's; c_attn, c_proj and c_fc are Conv1D, whose weight is stored
+// (in, out), nn.Linear's transpose.
+HuggingFaceName gpt2_name(const ModelConfig&, const std::string& parameter) {
+  const bool conv1d = parameter.ends_with(".weight") && (parameter.find(".c_attn.") != std::string::npos ||
+                                                         parameter.find(".c_proj.") != std::string::npos ||
+                                                         parameter.find(".c_fc.") != std::string::npos);
+  return {"transformer." + parameter, conv1d};
+}
+
+}  // namespace
+
 const ModelFamily& gpt_family() {
   static const ModelFamily family{
-      .name = "gpt",
+      .config = {.name = "gpt",
+                 .keys = "gpt",
+                 .presets = {"custom", "tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"},
+                 .fixed_keys = {"model.n_layer", "model.n_head", "model.n_embd", "model.block_size"},
+                 .hf_model_types = {"gpt2"},
+                 .read_hugging_face = read_gpt2_config,
+                 .hugging_face_json = gpt2_config_json},
       .reads_tokens = true,
       .build = [](const ModelConfig& c, const DataInfo& data) -> std::shared_ptr<Model> {
         const auto o = gpt_options(c, data.vocab_size);
@@ -203,6 +267,18 @@ const ModelFamily& gpt_family() {
         t.layers = o.n_layer;
         return t;
       },
+      .resolved = [](const ModelConfig& c, int64_t vocab) {
+        ModelConfig m = c;
+        m.preset = "custom";
+        GPTOptions o = c.preset == "custom" ? GPTOptions{} : GPTOptions::preset(c.preset);
+        if (c.preset == "custom") o.n_layer = c.n_layer, o.n_head = c.n_head, o.n_embd = c.n_embd, o.block_size = c.block_size;
+        m.n_layer = o.n_layer, m.n_head = o.n_head, m.n_embd = o.n_embd, m.block_size = o.block_size;
+        m.vocab_size = vocab;
+        return m;
+      },
+      .embedding = "wte.weight",
+      .hf_name = gpt2_name,
+      .hf_optional_prefix = "transformer.",
   };
   return family;
 }

@@ -10,22 +10,17 @@
 #include "memtrain/core/files.h"
 #include "memtrain/core/hugging_face_config.h"
 #include "memtrain/core/safetensors.h"
-#include "memtrain/models/gpt.h"
-#include "memtrain/models/llama.h"
 #include "memtrain/models/lora.h"
 
 namespace memtrain {
 
 namespace fs = std::filesystem;
 
-HuggingFaceName hugging_face_name(const std::string& model, const std::string& parameter) {
-  if (model == "llama") return {parameter, false};  // Llama's modules carry LlamaForCausalLM's names
-  MEMTRAIN_CHECK(model == "gpt", Error, "[weights] model.name = ", model, " has no Hugging Face layout (gpt and llama do)");
-  // GPT-2's c_attn, c_proj and c_fc are Conv1D: their weight is stored (in, out), nn.Linear's transpose.
-  const bool conv1d = parameter.ends_with(".weight") && (parameter.find(".c_attn.") != std::string::npos ||
-                                                         parameter.find(".c_proj.") != std::string::npos ||
-                                                         parameter.find(".c_fc.") != std::string::npos);
-  return {"transformer." + parameter, conv1d};
+HuggingFaceName hugging_face_name(const ModelConfig& config, const std::string& parameter) {
+  const auto& family = model_family(config.name);
+  MEMTRAIN_CHECK(family.hf_name != nullptr, ConfigError, "[weights] model.name = ", config.name,
+                 " has no Hugging Face layout");
+  return family.hf_name(config, parameter);
 }
 
 std::vector<std::string> hugging_face_weight_files(const std::string& dir) {
@@ -73,24 +68,13 @@ bool is_buffer(const std::string& name) {
   return name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") || name.ends_with("rotary_emb.inv_freq");
 }
 
-std::string model_kind(Model& model) {
-  if (dynamic_cast<GPT*>(&model)) return "gpt";
-  if (dynamic_cast<Llama*>(&model)) return "llama";
-  throw ConfigError("[weights] model.init_from needs a gpt or llama model; this model is " + model.describe());
-}
-
-bool is_tied(Model& model) {
-  if (dynamic_cast<GPT*>(&model)) return true;
-  auto* llama = dynamic_cast<Llama*>(&model);
-  return llama && llama->options().tie_embeddings;
-}
-
 }  // namespace
 
 struct HuggingFaceWeights::Impl {
   struct Fill {
     Located from;
     bool transposed = false;
+    int64_t first = 0;  // the element of the stored tensor where memtrain's begins (a block of rows of a fused one)
   };
   std::vector<SafetensorsIndex> files;
   std::map<std::string, Fill> fills;  // by memtrain's parameter name
@@ -105,7 +89,9 @@ int64_t HuggingFaceWeights::bytes_read() const { return impl_->bytes_read; }
 int64_t HuggingFaceWeights::total_bytes() const { return impl_->total_bytes; }
 
 HuggingFaceWeights::HuggingFaceWeights(Model& model, const std::string& dir) : impl_(std::make_unique<Impl>()) {
-  const auto kind = model_kind(model);
+  // The checkpoint's names are its family's, from its own config.json.
+  const auto config = model_from_hugging_face(dir, ModelConfig{}).config;
+  const auto& family = model_family(config.name);
   auto& files = impl_->files;
   // 1. Every file's header (no tensor data yet); which file holds which tensor. `files` is not resized after
   // this: `where` points into it.
@@ -117,39 +103,58 @@ HuggingFaceWeights::HuggingFaceWeights(Model& model, const std::string& dir) : i
       MEMTRAIN_CHECK(added, DataError, "[weights] ", dir, ": tensor '", e.name, "' is in both ", it->second.file->path,
                      " and ", f.path);
     }
-  // GPT-2 checkpoints saved before `transformer.` was the prefix (openai-community/gpt2's own) name h.0...
-  const bool bare_gpt2 = kind == "gpt" && !where.count("transformer.wte.weight") && where.count("wte.weight");
+  // Older checkpoints of a family may leave its prefix out (openai-community/gpt2's own names h.0..., not
+  // transformer.h.0...).
+  const auto& prefix = family.hf_optional_prefix;
+  const bool bare = !prefix.empty() && std::none_of(where.begin(), where.end(), [&](const auto& w) {
+    return w.first.rfind(prefix, 0) == 0;
+  });
 
   // 2. Each parameter's tensor, its shape and dtype checked. (Under ZeRO-3 a parameter's storage may be
   // released; its shape is still the full one.)
   std::set<std::string> used;
+  std::map<std::string, int64_t> rows_filled;  // fused tensors: the rows memtrain's parameters take
   std::set<const void*> seen;
   for (const auto& item : model.named_parameters()) {
     const auto& p = item.value();
     if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;  // a tied weight once
     if (is_lora_parameter(item.key())) continue;                 // adapters: a peft folder's (load_lora_adapter)
-    auto hf = hugging_face_name(kind, item.key());
-    if (bare_gpt2) hf.name = item.key();
+    auto hf = family.hf_name(config, item.key());
+    if (bare && hf.name.rfind(prefix, 0) == 0) hf.name = hf.name.substr(prefix.size());
     auto it = where.find(hf.name);
     MEMTRAIN_CHECK(it != where.end(), DataError, "[weights] ", dir, ": no tensor '", hf.name, "' (memtrain's ",
                    item.key(), ", shape ", p.sizes(), ") in ", files.size() == 1 ? files[0].path : detail::concat(files.size(), " shards"));
     const auto& e = *it->second.entry;
     auto expected = p.sizes().vec();
     if (hf.transposed) std::reverse(expected.begin(), expected.end());
-    MEMTRAIN_CHECK(e.shape == expected, DataError, "[weights] ", it->second.file->path, ": tensor '", hf.name,
+    auto stored = e.shape;
+    if (hf.rows > 0) {  // rows [row_begin, row_begin + rows) of the stored tensor
+      MEMTRAIN_CHECK(!stored.empty() && stored[0] >= hf.row_begin + hf.rows, DataError, "[weights] ",
+                     it->second.file->path, ": tensor '", hf.name, "' has shape ", c10::IntArrayRef(e.shape),
+                     "; the model (", dir, "/config.json) expects at least ", hf.row_begin + hf.rows, " rows");
+      stored[0] = hf.rows;
+      rows_filled[hf.name] += hf.rows;
+    }
+    MEMTRAIN_CHECK(stored == expected, DataError, "[weights] ", it->second.file->path, ": tensor '", hf.name,
                    "' has shape ", c10::IntArrayRef(e.shape), "; the model (", dir, "/config.json) expects ",
-                   c10::IntArrayRef(expected));
+                   c10::IntArrayRef(expected), hf.rows > 0 ? detail::concat(" in rows ", hf.row_begin, "..") : std::string());
     MEMTRAIN_CHECK(c10::isFloatingType(e.dtype), DataError, "[weights] ", it->second.file->path, ": tensor '", hf.name,
                    "' is ", e.dtype, ", not a floating-point weight");
-    impl_->fills[item.key()] = {it->second, hf.transposed};
+    const int64_t row_elements = hf.rows > 0 ? p.numel() / hf.rows : 0;
+    impl_->fills[item.key()] = {it->second, hf.transposed, hf.row_begin * row_elements};
     impl_->parameters.emplace_back(item.key(), p);
-    impl_->total_bytes += static_cast<int64_t>(e.end - e.begin);
+    impl_->total_bytes += p.numel() * static_cast<int64_t>(c10::elementSize(e.dtype));
     used.insert(hf.name);
   }
-  // 3. Every tensor of the checkpoint is used (or is a known non-parameter).
+  // A fused tensor is taken whole by the parameters that share it.
+  for (const auto& [name, rows] : rows_filled)
+    MEMTRAIN_CHECK(rows == where.at(name).entry->shape[0], DataError, "[weights] ", where.at(name).file->path,
+                   ": tensor '", name, "' has ", where.at(name).entry->shape[0], " rows; the model's parameters take ",
+                   rows);
+  // 3. Every tensor of the checkpoint is used (or is a known non-parameter). A stored lm_head.weight no parameter
+  // takes is a tied head's copy, stored besides the embedding (an untied model's head would have taken it).
   for (const auto& [name, loc] : where) {
-    if (used.count(name) || is_buffer(name)) continue;
-    if (name == "lm_head.weight" && is_tied(model)) continue;  // the tied head, stored besides the embedding
+    if (used.count(name) || is_buffer(name) || name == "lm_head.weight") continue;
     throw DataError(detail::concat("[weights] ", loc.file->path, ": unexpected tensor '", name,
                                    "': the model (", dir, "/config.json) has no parameter of that name"));
   }
@@ -161,7 +166,7 @@ torch::Tensor HuggingFaceWeights::read(const std::string& name, int64_t begin, i
   const auto item = static_cast<int64_t>(c10::elementSize(e.dtype));
   if (!f.transposed) {
     impl_->bytes_read += (end - begin) * item;
-    return read_safetensors_elements(*f.from.file, e, begin, end);
+    return read_safetensors_elements(*f.from.file, e, f.first + begin, f.first + end);
   }
   const auto numel = static_cast<int64_t>(e.end - e.begin) / item;
   impl_->bytes_read += numel * item;
@@ -202,10 +207,18 @@ std::vector<std::string> save_hugging_face(const std::string& dir, const ModelCo
   const auto config_json = hugging_face_config_json(config, torch_dtype_name(options.dtype));
   // The tensors by checkpoint name (save_pretrained's files hold them sorted), and the shards: a new one
   // whenever the next tensor would take the current one past max_shard_bytes.
-  std::map<std::string, std::pair<torch::Tensor, bool>> named;  // hf name -> (memtrain's tensor, transposed)
+  // hf name -> (memtrain's tensor, transposed); the parameters a fused tensor holds, in their rows' order.
+  std::map<std::string, std::pair<torch::Tensor, bool>> named;
+  std::map<std::string, std::map<int64_t, torch::Tensor>> fused;
   for (const auto& [name, t] : parameters) {
-    auto hf = hugging_face_name(config.name, name);
-    named.emplace(hf.name, std::make_pair(t, hf.transposed));
+    auto hf = hugging_face_name(config, name);
+    if (hf.rows > 0) fused[hf.name].emplace(hf.row_begin, t);
+    else named.emplace(hf.name, std::make_pair(t, hf.transposed));
+  }
+  for (const auto& [name, parts] : fused) {
+    std::vector<torch::Tensor> rows;
+    for (const auto& [begin, t] : parts) rows.push_back(t.detach().to(torch::kCPU));
+    named.emplace(name, std::make_pair(torch::cat(rows, 0), false));
   }
   std::vector<std::vector<std::string>> shards(1);
   int64_t in_shard = 0, total = 0;
@@ -245,17 +258,20 @@ std::vector<std::string> save_hugging_face(const std::string& dir, const ModelCo
   return written;
 }
 
-std::string peft_name(const std::string& model, const std::string& parameter) {
+std::string peft_name(const ModelConfig& model, const std::string& parameter) {
   MEMTRAIN_CHECK(is_lora_parameter(parameter), Error, "[lora] '", parameter, "' is not an adapter parameter");
   const auto dot = parameter.rfind('.');
   const auto module = parameter.substr(0, dot), which = parameter.substr(dot + 1);
-  auto base = hugging_face_name(model, module + ".weight").name;
+  const auto hf = hugging_face_name(model, module + ".weight");
+  MEMTRAIN_CHECK(hf.rows == 0, ConfigError, "[lora] model.name = ", model.name, " stores ", module, " inside ", hf.name,
+                 ": a peft adapter targets the fused module, which memtrain's adapters (one per projection) are not; "
+                 "export merged weights instead (memtrain export without --adapter)");
+  auto base = hf.name;
   base.resize(base.size() - std::string(".weight").size());
   return "base_model.model." + base + "." + which + ".weight";
 }
 
-void load_lora_adapter(Model& model, const std::string& dir) {
-  const auto kind = model_kind(model);
+void load_lora_adapter(Model& model, const ModelConfig& config, const std::string& dir) {
   const auto path = (fs::path(dir) / "adapter_model.safetensors").string();
   std::error_code ec;
   MEMTRAIN_CHECK(fs::is_regular_file(path, ec), DataError, "[lora] ", dir,
@@ -265,7 +281,7 @@ void load_lora_adapter(Model& model, const std::string& dir) {
   std::set<std::string> used;
   for (const auto& item : model.named_parameters()) {
     if (!is_lora_parameter(item.key())) continue;
-    const auto name = peft_name(kind, item.key());
+    const auto name = peft_name(config, item.key());
     auto it = stored.find(name);
     MEMTRAIN_CHECK(it != stored.end(), DataError, "[lora] ", path, ": no tensor '", name, "' (memtrain's ", item.key(),
                    ", shape ", item.value().sizes(), "): an adapter of other targets?");
@@ -288,7 +304,7 @@ std::vector<std::string> save_lora_adapter(const std::string& dir, const ModelCo
   MEMTRAIN_CHECK(!fs::exists(dir, ec), ConfigError, "[export] ", dir,
                  " already exists: an export never overwrites a folder; choose a new one or remove it");
   std::map<std::string, torch::Tensor> tensors;
-  for (const auto& [name, t] : adapters) tensors.emplace(peft_name(model.name, name), t.detach().to(torch::kCPU, torch::kFloat).contiguous());
+  for (const auto& [name, t] : adapters) tensors.emplace(peft_name(model, name), t.detach().to(torch::kCPU, torch::kFloat).contiguous());
   const auto partial = dir + ".partial";
   fs::remove_all(partial, ec);
   fs::create_directories(partial);

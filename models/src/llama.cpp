@@ -9,7 +9,9 @@
 #include <sstream>
 
 #include "memtrain/models/family.h"
+#include "memtrain/core/config_json.h"
 #include "memtrain/core/error.h"
+#include "memtrain/core/hugging_face_config.h"
 #include "memtrain/models/lora.h"
 
 namespace memtrain {
@@ -33,6 +35,11 @@ constexpr Preset kPresets[] = {
     {"qwen2.5-7b", 152064, 3584, 18944, 28, 28, 4, 1000000.0, 1e-6, false, true, 0.0},
     {"mistral-7b", 32000, 4096, 14336, 32, 32, 8, 10000.0, 1e-5, false, false, 0.0},
 };
+std::vector<std::string> llama_presets() {
+  std::vector<std::string> out{"custom"};
+  for (const auto& p : kPresets) out.emplace_back(p.name);
+  return out;
+}
 }  // namespace
 
 std::string LlamaOptions::preset_names() {
@@ -282,9 +289,150 @@ LlamaOptions llama_options(const ModelConfig& c, int64_t vocab) {
   return o;
 }
 
+// The Llama family's config.json (llama, mistral, qwen2), both ways; Phi-3 (phi3.cpp) reads and writes its shape
+// keys through these too.
+void read_llama_config(const ConfigJson& j, HuggingFaceModel& out) {
+  auto& m = out.config;
+  const auto& type = out.model_type;
+  m.name = "llama", m.preset = "custom";
+  m.n_layer = j.get<int64_t>("num_hidden_layers"), m.n_head = j.get<int64_t>("num_attention_heads");
+  m.n_embd = j.get<int64_t>("hidden_size"), m.vocab_size = j.get<int64_t>("vocab_size");
+  m.n_kv_head = j.get<int64_t>("num_key_value_heads", m.n_head);
+  m.ffn_hidden = j.get<int64_t>("intermediate_size");
+  m.rope_theta = j.get<double>("rope_theta", 10000.0);
+  m.norm_eps = j.get<double>("rms_norm_eps", 1e-6);
+  m.tie_embeddings = j.get<bool>("tie_word_embeddings", false);
+  m.max_positions = j.get<int64_t>("max_position_embeddings", 0);
+  out.keys = {"model.name",       "model.preset",       "model.n_layer",     "model.n_head",
+              "model.n_embd",     "model.vocab_size",   "model.n_kv_head",   "model.ffn_hidden",
+              "model.rope_theta", "model.rope_scaling", "model.norm_eps",    "model.tie_embeddings",
+              "model.attn_bias",  "model.max_positions"};
+  if (type == "qwen2") {
+    m.attn_bias = "qkv";  // Qwen2's q, k and v projections always have biases; o_proj none
+    if (j.get<bool>("use_sliding_window", false)) j.unsupported("use_sliding_window = true", "false");
+  } else {
+    m.attn_bias = j.get<bool>("attention_bias", false) ? "all" : "none";
+  }
+  if (j.get<bool>("mlp_bias", false)) j.unsupported("mlp_bias = true", "false");
+  if (j.has("head_dim") && j.get<int64_t>("head_dim") * m.n_head != m.n_embd)
+    j.unsupported(detail::concat("head_dim = ", j.get<int64_t>("head_dim")),
+                  detail::concat("hidden_size / num_attention_heads = ", m.n_embd / std::max<int64_t>(m.n_head, 1)));
+  const auto act = j.get<std::string>("hidden_act", "silu");
+  if (act != "silu") j.unsupported("hidden_act = " + act, "silu");
+  if (type == "mistral" && j.has("sliding_window") && j.get<int64_t>("sliding_window") < m.block_size)
+    j.unsupported(detail::concat("sliding_window = ", j.get<int64_t>("sliding_window"), " below model.block_size = ", m.block_size),
+                  "a window of at least the training context, where it changes nothing");
+  m.rope_scaling = "none";
+  if (j.has("rope_scaling")) {
+    const auto& r = j.at("rope_scaling");
+    MEMTRAIN_CHECK(r.is_object(), ConfigError, "[config] ", j.path(), ": rope_scaling = ", r.dump(), " is not an object");
+    const auto& named = r.contains("rope_type") ? r["rope_type"] : r.contains("type") ? r["type"] : nlohmann::json("default");
+    MEMTRAIN_CHECK(named.is_string(), ConfigError, "[config] ", j.path(), ": rope_scaling.rope_type = ", named.dump(),
+                   " is not a name");
+    const auto kind = named.get<std::string>();
+    if (kind == "llama3") {
+      auto number = [&](const char* key) {
+        MEMTRAIN_CHECK(r.contains(key) && r[key].is_number(), ConfigError, "[config] ", j.path(), ": rope_scaling.", key,
+                       " is missing or not a number");
+        return r[key].get<double>();
+      };
+      m.rope_scaling = detail::concat("llama3:", format_shortest(number("factor")), ":",
+                                      format_shortest(number("low_freq_factor")), ":",
+                                      format_shortest(number("high_freq_factor")), ":",
+                                      format_shortest(number("original_max_position_embeddings")));
+    } else if (kind != "default") {
+      j.unsupported("rope_scaling.rope_type = " + kind, "llama3, or no rope_scaling");
+    }
+  }
+}
+
+std::string llama_config_json(const ModelConfig& m, const std::string& torch_dtype) {
+  nlohmann::json j;
+  const bool qwen2 = m.attn_bias == "qkv";
+  j = {{"architectures", {qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
+       {"model_type", qwen2 ? "qwen2" : "llama"},
+       {"vocab_size", m.vocab_size},
+       {"hidden_size", m.n_embd},
+       {"intermediate_size", m.ffn_hidden},
+       {"num_hidden_layers", m.n_layer},
+       {"num_attention_heads", m.n_head},
+       {"num_key_value_heads", m.n_kv_head > 0 ? m.n_kv_head : m.n_head},
+       {"head_dim", m.n_embd / m.n_head},
+       {"hidden_act", "silu"},
+       {"max_position_embeddings", m.max_positions > 0 ? m.max_positions : m.block_size},
+       {"rms_norm_eps", m.norm_eps},
+       {"rope_theta", m.rope_theta},
+       {"rope_scaling", nullptr},
+       {"tie_word_embeddings", m.tie_embeddings},
+       {"initializer_range", 0.02},
+       {"attention_dropout", 0.0},
+       {"use_cache", true}};
+  if (qwen2) j["use_sliding_window"] = false, j["max_window_layers"] = m.n_layer, j["sliding_window"] = nullptr;
+  else j["attention_bias"] = m.attn_bias == "all", j["mlp_bias"] = false;
+  if (auto r = parse_rope_scaling(m.rope_scaling))
+    j["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", r->factor},
+                         {"low_freq_factor", r->low_freq_factor},
+                         {"high_freq_factor", r->high_freq_factor},
+                         {"original_max_position_embeddings", r->original_context}};
+  j["torch_dtype"] = torch_dtype;
+  return j.dump(2) + "\n";
+}
+
+void check_llama_keys(const ModelConfig& model) {
+  const auto kv = model.n_kv_head == 0 ? model.n_head : model.n_kv_head;
+  MEMTRAIN_CHECK(model.n_head % kv == 0, ConfigError, "[config] model.n_kv_head = ", model.n_kv_head,
+                 " is out of range: expected a divisor of model.n_head = ", model.n_head);
+  MEMTRAIN_CHECK((model.n_embd / model.n_head) % 2 == 0, ConfigError, "[config] model.n_embd = ", model.n_embd,
+                 " is out of range: rotary embeddings need an even head width (n_embd / n_head = ",
+                 model.n_embd / model.n_head, ")");
+  MEMTRAIN_CHECK(model.max_positions == 0 || model.block_size <= model.max_positions, ConfigError,
+                 "[config] model.block_size = ", model.block_size, " is out of range: the model is made for at most ",
+                 model.max_positions, " positions (model.max_positions)");
+}
+
+std::vector<std::string> llama_fixed_keys() {
+  return {"model.n_layer",   "model.n_head",     "model.n_embd",       "model.vocab_size",
+          "model.n_kv_head", "model.ffn_hidden", "model.rope_theta",   "model.rope_scaling",
+          "model.norm_eps",  "model.tie_embeddings", "model.attn_bias", "model.max_positions"};
+}
+
+ModelTensors llama_tensors(const LlamaOptions& o) {
+  const int64_t C = o.n_embd, q = o.n_head * o.head_dim(), kv = o.n_kv_head * o.head_dim(), F = o.ffn_hidden;
+  ModelTensors t;
+  t.block = {C * q, C * kv, C * kv, q * C, C * F, C * F, F * C, C, C};
+  if (o.qkv_bias) t.block.insert(t.block.end(), {q, kv, kv});
+  if (o.out_bias) t.block.push_back(C);
+  if (o.mlp_bias) t.block.insert(t.block.end(), {F, F, C});
+  t.root = {o.vocab_size * C, C};
+  if (!o.tie_embeddings) t.root.push_back(o.vocab_size * C);
+  t.layers = o.n_layer;
+  return t;
+}
+
+ModelConfig llama_resolved(const ModelConfig& c, const LlamaOptions& o) {
+  ModelConfig m = c;
+  m.preset = "custom";
+  m.n_layer = o.n_layer, m.n_head = o.n_head, m.n_embd = o.n_embd, m.n_kv_head = o.n_kv_head;
+  m.ffn_hidden = o.ffn_hidden, m.vocab_size = o.vocab_size, m.rope_theta = o.rope_theta, m.norm_eps = o.norm_eps;
+  m.tie_embeddings = o.tie_embeddings, m.attn_bias = o.out_bias ? "all" : o.qkv_bias ? "qkv" : "none";
+  const auto& r = o.rope_scaling;
+  m.rope_scaling = r.type == "llama3" ? format_rope_scaling({r.factor, r.low_freq_factor, r.high_freq_factor,
+                                                             r.original_max_position})
+                                      : "none";
+  return m;
+}
+
 const ModelFamily& llama_family() {
   static const ModelFamily family{
-      .name = "llama",
+      .config = {.name = "llama",
+                 .keys = "llama",
+                 .presets = llama_presets(),
+                 .fixed_keys = llama_fixed_keys(),
+                 .hf_model_types = {"llama", "mistral", "qwen2"},
+                 .validate = check_llama_keys,
+                 .read_hugging_face = read_llama_config,
+                 .hugging_face_json = llama_config_json},
       .reads_tokens = true,
       .build = [](const ModelConfig& c, const DataInfo& data) -> std::shared_ptr<Model> {
         const auto o = llama_options(c, data.vocab_size);
@@ -296,19 +444,15 @@ const ModelFamily& llama_family() {
         return c.preset != "custom" ? LlamaOptions::preset(c.preset).vocab_size : 0;
       },
       .shape = [](const ModelConfig& c, int64_t vocab) { return llama_options(c, vocab).shape(); },
-      .tensors = [](const ModelConfig& c, int64_t vocab) {
-        const auto o = llama_options(c, vocab);
-        const int64_t C = o.n_embd, q = o.n_head * o.head_dim(), kv = o.n_kv_head * o.head_dim(), F = o.ffn_hidden;
-        ModelTensors t;
-        t.block = {C * q, C * kv, C * kv, q * C, C * F, C * F, F * C, C, C};
-        if (o.qkv_bias) t.block.insert(t.block.end(), {q, kv, kv});
-        if (o.out_bias) t.block.push_back(C);
-        if (o.mlp_bias) t.block.insert(t.block.end(), {F, F, C});
-        t.root = {o.vocab_size * C, C};
-        if (!o.tie_embeddings) t.root.push_back(o.vocab_size * C);
-        t.layers = o.n_layer;
-        return t;
+      .tensors = [](const ModelConfig& c, int64_t vocab) { return llama_tensors(llama_options(c, vocab)); },
+      .resolved = [](const ModelConfig& c, int64_t vocab) {
+        auto m = llama_resolved(c, llama_options(c, vocab));
+        if (c.preset != "custom" && m.max_positions == 0) m.max_positions = 131072;  // the presets' published context
+        return m;
       },
+      .embedding = "model.embed_tokens.weight",
+      // LlamaForCausalLM's names are memtrain's.
+      .hf_name = [](const ModelConfig&, const std::string& parameter) { return HuggingFaceName{parameter}; },
   };
   return family;
 }

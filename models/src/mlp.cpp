@@ -36,7 +36,7 @@ std::string MLP::describe() const {
 
 const ModelFamily& mlp_family() {
   static const ModelFamily family{
-      .name = "mlp",
+      .config = {.name = "mlp", .keys = "mlp"},
       .build = [](const ModelConfig& c, const DataInfo& data) -> std::shared_ptr<Model> {
         MLPOptions o;
         o.in_features = data.channels * data.image_size * data.image_size;

@@ -151,7 +151,7 @@ std::string ResNet::describe() const {
 
 const ModelFamily& resnet_family() {
   static const ModelFamily family{
-      .name = "resnet",
+      .config = {.name = "resnet", .keys = "resnet"},
       .build = [](const ModelConfig& c, const DataInfo& data) -> std::shared_ptr<Model> {
         ResNetOptions o;
         o.depth = c.depth, o.width = c.width, o.stem = c.stem;

@@ -19,25 +19,13 @@ namespace memtrain {
 namespace fs = std::filesystem;
 
 ModelConfig resolved_model_config(const ModelConfig& c, int64_t vocab) {
-  ModelConfig m = c;
-  m.preset = "custom";
-  if (c.name == "gpt") {
-    GPTOptions o = c.preset == "custom" ? GPTOptions{} : GPTOptions::preset(c.preset);
-    if (c.preset == "custom") o.n_layer = c.n_layer, o.n_head = c.n_head, o.n_embd = c.n_embd, o.block_size = c.block_size;
-    m.n_layer = o.n_layer, m.n_head = o.n_head, m.n_embd = o.n_embd, m.block_size = o.block_size;
-    m.vocab_size = vocab;
-  } else if (c.name == "llama") {
-    const auto o = llama_options(c, vocab);
-    m.n_layer = o.n_layer, m.n_head = o.n_head, m.n_embd = o.n_embd, m.n_kv_head = o.n_kv_head;
-    m.ffn_hidden = o.ffn_hidden, m.vocab_size = o.vocab_size, m.rope_theta = o.rope_theta, m.norm_eps = o.norm_eps;
-    m.tie_embeddings = o.tie_embeddings, m.attn_bias = o.out_bias ? "all" : o.qkv_bias ? "qkv" : "none";
-    const auto& r = o.rope_scaling;
-    m.rope_scaling = r.type == "llama3" ? format_rope_scaling({r.factor, r.low_freq_factor, r.high_freq_factor,
-                                                               r.original_max_position})
-                                        : "none";
-    if (c.preset != "custom" && m.max_positions == 0) m.max_positions = 131072;  // the presets' published context
+  const auto& family = model_family(c.name);
+  if (!family.resolved) {
+    ModelConfig m = c;
+    m.preset = "custom";
+    return m;
   }
-  return m;
+  return family.resolved(c, vocab);
 }
 
 namespace {
@@ -134,7 +122,9 @@ ExportResult export_hugging_face(const ExportOptions& options) {
     return out;
   }
   if (lora.rank > 0) parameters = merge_lora(parameters, lora.alpha / static_cast<double>(lora.rank));
-  const char* embedding = config.model.name == "gpt" ? "wte.weight" : "model.embed_tokens.weight";
+  const auto& embedding = model_family(config.model.name).embedding;
+  MEMTRAIN_CHECK(!embedding.empty(), ConfigError, "[export] model.name = ", config.model.name,
+                 " has no Hugging Face layout");
   MEMTRAIN_CHECK(parameters.count(embedding), DataError, "[export] ", path, ": no parameter '", embedding,
                  "': a checkpoint of model.name = ", config.model.name, " without its embedding");
   const auto model = resolved_model_config(config.model, parameters.at(embedding).size(0));

@@ -38,7 +38,7 @@ TrainableSelection select_trainable(Model& model, const Config& c) {
   TrainableSelection out;
   if (c.lora.rank > 0) {
     out.adapted = add_lora(model, lora_options(c.lora));
-    if (!c.lora.init_from.empty()) load_lora_adapter(model, c.lora.init_from);
+    if (!c.lora.init_from.empty()) load_lora_adapter(model, c.model, c.lora.init_from);
     out.frozen = freeze_all_but_lora(model);
   } else if (!c.train.freeze.empty()) {
     out.frozen = freeze_matching(model, c.train.freeze);
@@ -51,17 +51,22 @@ bool is_language_model(const ModelConfig& c) { return model_family(c.name).reads
 bool has_closed_form(const ModelConfig& c) { return static_cast<bool>(model_family(c.name).shape); }
 
 namespace {
-// The families that have something, for messages: "gpt and llama", "gpt | llama".
+// The families with a property: "a | b | c", or as prose ("a, b and c") when separator is " and ".
 std::string families_where(bool (*has)(const ModelFamily&), const char* separator) {
-  std::string out;
+  std::vector<std::string> names;
   for (const auto* f : model_families())
-    if (has(*f)) out += (out.empty() ? "" : separator) + f->name;
+    if (has(*f)) names.push_back(f->config.name);
+  const bool prose = std::string(separator) == " and ";
+  std::string out;
+  for (size_t i = 0; i < names.size(); ++i)
+    out += (i == 0 ? "" : prose && i + 1 < names.size() ? ", " : separator) + names[i];
   return out;
 }
+}  // namespace
+
 std::string closed_form_families() {
   return families_where([](const ModelFamily& f) { return static_cast<bool>(f.shape); }, " and ");
 }
-}  // namespace
 
 double reduced_part_bytes_per_element(const TrainOptions& t, const DistConfig& d, int world, bool cuda) {
   const bool bf16 = t.param_dtype == "bf16";

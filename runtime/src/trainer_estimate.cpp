@@ -468,7 +468,7 @@ bool Trainer::closed_form_applies() const {
   const bool can = model_->transformer_shape().has_value() && config_.train.freeze.empty();
   MEMTRAIN_CHECK(can || method != "closed_form", ConfigError, "[config] memory.estimate_method = closed_form: ",
                  model_->transformer_shape() ? "train.freeze is not in the closed form ([lora] is)"
-                                             : "this model has none (gpt and llama do)",
+                                             : "this model has none (" + closed_form_families() + " do)",
                  "; use auto or probe");
   return can && method != "probe";
 }

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 import transformers
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM)
 
 VOCAB = 97
 
@@ -49,6 +50,10 @@ def cases():
         # Stored in bf16: memtrain converts to its fp32 parameters, the reference runs the same bf16 values in fp32.
         "llama_bf16": (LlamaForCausalLM, LlamaConfig(**common, num_key_value_heads=1, tie_word_embeddings=False),
                        "8KB", torch.bfloat16),
+        # Phi-3: q, k, v fused in qkv_proj (4 query heads, 2 k/v heads), gate and up in gate_up_proj; a sliding window
+        # of 32 (memtrain caps its context there). No pad token: Phi3Config's 32000 is outside this vocabulary.
+        "phi3": (Phi3ForCausalLM, Phi3Config(**common, num_key_value_heads=2, tie_word_embeddings=False, sliding_window=32,
+                                             pad_token_id=None, rope_theta=500.0), None, torch.float32),
     }
 
 
@@ -123,6 +128,25 @@ def write_bad(out):
     t = load_file(first)
     t["model.layers.0.self_attn.extra.weight"] = torch.zeros(3)
     save_file(t, first, metadata={"format": "pt"})
+
+
+    # Phi-3 folders: rope scaling for the 128k models, a partial rotary factor, and a qkv_proj with rows no
+    # projection takes.
+    def phi3_copy(name, **changes):
+        dst = os.path.join(bad, name)
+        shutil.copytree(os.path.join(out, "phi3"), dst)
+        c = json.load(open(os.path.join(dst, "config.json")))
+        c.update(changes)
+        json.dump(c, open(os.path.join(dst, "config.json"), "w"))
+        return dst
+    phi3_copy("phi3_longrope", rope_scaling={"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.0] * 4})
+    phi3_copy("phi3_partial_rotary", partial_rotary_factor=0.5)
+    d = phi3_copy("phi3_extra_rows")
+    path = os.path.join(d, "model.safetensors")
+    t = load_file(path)
+    w = t["model.layers.0.self_attn.qkv_proj.weight"]
+    t["model.layers.0.self_attn.qkv_proj.weight"] = torch.cat([w, torch.zeros(4, w.shape[1])])
+    save_file(t, path, metadata={"format": "pt"})
 
 
 def shards(folder):

@@ -251,7 +251,7 @@ TEST(Config, SettingsThatDoNothingWarnOnce) {
   c = Config::load("", {"--dist.backend=nccl"});
   EXPECT_TRUE(has(c, "dist.backend = nccl (set on the command line) does nothing with train.device = cpu"));
   c = Config::load("", {"--model.name=mlp", "--data.dataset=synthetic", "--model.n_layer=8"});
-  EXPECT_TRUE(has(c, "model.n_layer (set on the command line) is a gpt | llama key; model.name = mlp ignores it"));
+  EXPECT_TRUE(has(c, "model.n_layer (set on the command line) is a gpt | llama | phi3 key; model.name = mlp ignores it"));
   EXPECT_EQ(c.warnings.size(), 1u);
 }
 

@@ -8,6 +8,8 @@
 #include <regex>
 
 #include "helpers.h"
+#include "memtrain/models/family.h"
+#include "memtrain/models/hugging_face.h"
 #include "memtrain/models/llama.h"
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/trainer.h"
@@ -22,7 +24,7 @@ TEST(Llama, PresetsHaveThePublishedParameterCounts) {
       {"llama-3.2-1b", 1235814400}, {"llama-3.2-3b", 3212749824}, {"llama-3.1-8b", 8030261248},
       {"llama-3.1-70b", 70553706496},
       {"qwen2.5-0.5b", 494032768},  {"qwen2.5-7b", 7615616512},   {"mistral-7b", 7241732096}};
-  for (auto name : choices::llama_preset) {
+  for (const auto& name : llama_family().config.presets) {
     if (name == "custom") continue;
     SCOPED_TRACE(std::string(name));
     ASSERT_TRUE(published.count(std::string(name)));
@@ -120,6 +122,45 @@ TEST(Llama, ZeroThreeOnTwoProcessesTrainsAsOne) {
     ASSERT_GT(one_norms[s], 0) << "step " << s + 1;
     EXPECT_NEAR(two_norms[s], one_norms[s], 1e-5 * one_norms[s]) << "pre-clip gradient norm, step " << s + 1;
   }
+}
+
+}  // namespace
+}  // namespace memtrain
+
+namespace memtrain {
+namespace {
+
+// Phi-3 (models/src/phi3.cpp), a family added in one file: its presets count what the model cards say (Phi-3-mini
+// 3.8B, Phi-3-medium 14B), to the parameter as transformers' Phi3ForCausalLM counts them on the published
+// config.json (built on the meta device: 3,821,079,552 and 13,960,238,080), from the shapes alone.
+TEST(Phi3, PresetsCountTheModelCardsParameters) {
+  const std::map<std::string, int64_t> published = {{"phi-3-mini-4k", 3821079552}, {"phi-3-medium-4k", 13960238080}};
+  const auto& family = model_family("phi3");
+  ASSERT_EQ(family.config.presets, (std::vector<std::string>{"custom", "phi-3-mini-4k", "phi-3-medium-4k"}));
+  for (const auto& [name, count] : published) {
+    SCOPED_TRACE(name);
+    const auto c = Config::load("", {"--model.preset=" + name, "--data.dataset=synthetic"});
+    EXPECT_EQ(c.model.name, "phi3");  // the preset names its family
+    const auto t = family.tensors(c.model, 1);
+    int64_t block = 0, root = 0;
+    for (auto n : t.block) block += n;
+    for (auto n : t.root) root += n;
+    EXPECT_EQ(t.layers * block + root, count);
+  }
+  // The 4k models' sliding window (2047) caps the context memtrain trains exactly; a shape key beside a preset is
+  // refused as for any family.
+  EXPECT_NE(test::error_of([] { Config::load("", {"--model.preset=phi-3-mini-4k", "--model.block_size=4096"}); })
+                .find("model.block_size = 4096 is out of range: the model is made for at most 2047 positions"),
+            std::string::npos);
+  EXPECT_NE(test::error_of([] { Config::load("", {"--model.preset=phi-3-mini-4k", "--model.n_layer=2"}); })
+                .find("fixes the model's shape"),
+            std::string::npos);
+  // A peft adapter targets the fused module; memtrain's per-projection adapters cannot be written as one.
+  ModelConfig m;
+  m.name = "phi3", m.n_layer = 1, m.n_head = 4, m.n_embd = 32, m.vocab_size = 97;
+  EXPECT_NE(test::error_of([&] { peft_name(m, "model.layers.0.self_attn.q_proj.lora_A"); }).find("inside model.layers.0.self_attn.qkv_proj.weight"),
+            std::string::npos);
+  EXPECT_EQ(peft_name(m, "model.layers.0.self_attn.o_proj.lora_A"), "base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight");
 }
 
 }  // namespace

@@ -30,7 +30,7 @@ std::shared_ptr<Model> adapted(const std::string& base, const std::string& adapt
   auto model = make_model(c.model, DataInfo{.vocab_size = 97});
   load_hugging_face_weights(*model, base);
   add_lora(*model, lora_options(c.lora));
-  load_lora_adapter(*model, adapter);
+  load_lora_adapter(*model, c.model, adapter);
   freeze_all_but_lora(*model);
   if (out) *out = c;
   return model;
@@ -57,7 +57,7 @@ TEST_P(PeftParity, LossAndEveryAdapterGradientMatchPeft) {
       EXPECT_FALSE(item.value().grad().defined()) << item.key() << ": frozen, yet it has a gradient";
       continue;
     }
-    const auto peft = peft_name(c.model.name, item.key());
+    const auto peft = peft_name(c.model, item.key());
     SCOPED_TRACE(item.key() + " as " + peft);
     ASSERT_TRUE(ref.count("grad/" + peft));
     EXPECT_LT(test::relative_error(item.value().grad(), ref.at("grad/" + peft)), 1e-5);

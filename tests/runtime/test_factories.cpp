@@ -20,8 +20,11 @@ TEST(Factories, EveryModelNameIsBuilt) {
                                                      // Llama (L = 1, C = 16, kv heads = heads, MLP 8/3 C rounded up to
                                                      // 64): q k v o 4 C^2, SwiGLU 3 C 64, two norms 2 C, untied
                                                      // embedding and head 2 V C, final norm C.
-                                                     {"llama", 4 * 16 * 16 + 3 * 16 * 64 + 2 * 16 + 2 * 256 * 16 + 16}};
-  for (auto name : choices::model_name) {
+                                                     {"llama", 4 * 16 * 16 + 3 * 16 * 64 + 2 * 16 + 2 * 256 * 16 + 16},
+                                                     // Phi-3: Llama's blocks (its fused projections are storage).
+                                                     {"phi3", 4 * 16 * 16 + 3 * 16 * 64 + 2 * 16 + 2 * 256 * 16 + 16}};
+  for (const auto* family : model_families()) {
+    const auto& name = family->config.name;
     SCOPED_TRACE(std::string(name));
     ModelConfig m;
     m.name = std::string(name);
@@ -34,7 +37,7 @@ TEST(Factories, EveryModelNameIsBuilt) {
     }
     // Logits over the vocabulary per token, or over the 10 classes per image.
     torch::NoGradGuard no_grad;
-    if (name == "gpt" || name == "llama") {
+    if (family->reads_tokens) {
       EXPECT_EQ(model->forward(torch::zeros({2, 8}, torch::kLong)).sizes(), (std::vector<int64_t>{2, 8, 256}));
     } else {
       EXPECT_EQ(model->forward(torch::zeros({2, 1, 28, 28})).sizes(), (std::vector<int64_t>{2, 10}));
@@ -46,13 +49,18 @@ TEST(Factories, EveryModelNameIsBuilt) {
 // shape is never estimated in closed form (a name the registry reads as a language model is not costed as another).
 TEST(Factories, EveryModelNameIsOneRegisteredFamily) {
   std::vector<std::string> registered;
-  for (const auto* f : model_families()) registered.push_back(f->name);
-  std::vector<std::string> accepted(choices::model_name.begin(), choices::model_name.end());
+  for (const auto* f : model_families()) registered.push_back(f->config.name);
+  std::vector<std::string> accepted;
+  for (const auto* f : family_configs()) accepted.push_back(f->name);
   EXPECT_EQ(registered, accepted);
+  EXPECT_EQ(registered, (std::vector<std::string>{"gpt", "llama", "resnet", "mlp", "phi3"}));
   EXPECT_THROW(model_family("gemma"), ConfigError);
-  EXPECT_NE(test::error_of([] { model_family("gemma"); }).find("expected gpt | llama | resnet | mlp"), std::string::npos);
+  EXPECT_NE(test::error_of([] { model_family("gemma"); }).find("expected gpt | llama | resnet | mlp | phi3"), std::string::npos);
+  EXPECT_NE(test::error_of([] { Config::load("", {"--model.name=gemma"}); })
+                .find("model.name = 'gemma' is not allowed; expected one of: gpt | llama | resnet | mlp | phi3"),
+            std::string::npos);
   for (const auto* f : model_families()) {
-    SCOPED_TRACE(f->name);
+    SCOPED_TRACE(f->config.name);
     EXPECT_TRUE(f->build);
     // The closed form's shape and its tensor list come together, and only for models that read tokens.
     EXPECT_EQ(static_cast<bool>(f->shape), static_cast<bool>(f->tensors));
@@ -63,12 +71,12 @@ TEST(Factories, EveryModelNameIsOneRegisteredFamily) {
   // An image model asked for a closed form: an error naming the families that have one.
   Config c;
   c.model.name = "resnet";
-  EXPECT_NE(test::error_of([&] { config_transformer_shape(c); }).find("has no closed form (gpt and llama do)"), std::string::npos);
-  EXPECT_NE(test::error_of([&] { model_state_inputs(c, 1); }).find("--target estimates gpt and llama without building them"),
+  EXPECT_NE(test::error_of([&] { config_transformer_shape(c); }).find("has no closed form (gpt, llama and phi3 do)"), std::string::npos);
+  EXPECT_NE(test::error_of([&] { model_state_inputs(c, 1); }).find("--target estimates gpt, llama and phi3 without building them"),
             std::string::npos);
   // Each family's tensors by shape are its built model's parameters (a Llama with GQA and biases, a GPT without).
   for (const auto& [name, extra] : std::vector<std::pair<std::string, std::vector<std::string>>>{
-           {"gpt", {"--model.bias=false"}}, {"llama", {"--model.n_kv_head=2", "--model.attn_bias=qkv"}}}) {
+           {"gpt", {"--model.bias=false"}}, {"llama", {"--model.n_kv_head=2", "--model.attn_bias=qkv"}}, {"phi3", {"--model.n_kv_head=2"}}}) {
     SCOPED_TRACE(name);
     auto args = extra;
     args.insert(args.end(), {"--model.name=" + name, "--model.n_layer=2", "--model.n_head=4", "--model.n_embd=32",

@@ -21,6 +21,9 @@
 namespace memtrain {
 
 struct TransformerShape {
+  // The block's kind, not a model family: GPT-2's (LayerNorm, MHA, GELU MLP) or Llama's (RMSNorm, GQA with rotary
+  // embeddings, SwiGLU). A family's ModelFamily::shape picks one (Phi-3's blocks are Llama's); a family whose
+  // blocks are neither gives no shape and is estimated by a probe.
   enum class Family { kGpt, kLlama };
   Family family = Family::kGpt;
   int64_t layers = 0, hidden = 0, heads = 0, kv_heads = 0, ffn = 0, vocab = 0;

@@ -18,16 +18,7 @@ namespace memtrain {
 // The allowed values of every enumerated key, written once: the validator, the factories, --help and
 // the docs read them from here.
 namespace choices {
-inline constexpr std::array<std::string_view, 4> model_name{"gpt", "llama", "resnet", "mlp"};
-// model.preset: GPT's (tiny .. gpt2-xl) and the Llama family's published shapes (model.name = llama).
-inline constexpr std::array<std::string_view, 6> gpt_preset{"custom", "tiny", "gpt2", "gpt2-medium", "gpt2-large",
-                                                            "gpt2-xl"};
-inline constexpr std::array<std::string_view, 8> llama_preset{"custom",        "llama-3.2-1b", "llama-3.2-3b",
-                                                              "llama-3.1-8b",  "llama-3.1-70b", "qwen2.5-0.5b",
-                                                              "qwen2.5-7b",    "mistral-7b"};
-inline constexpr std::array<std::string_view, 13> model_preset{
-    "custom", "tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama-3.2-1b", "llama-3.2-3b",
-    "llama-3.1-8b", "llama-3.1-70b", "qwen2.5-0.5b", "qwen2.5-7b", "mistral-7b"};
+// model.name and model.preset: the registered families' (core/family_config.h), not a list here.
 inline constexpr std::array<std::string_view, 3> attn_bias{"none", "qkv", "all"};
 inline constexpr std::array<std::string_view, 3> estimate_method{"auto", "closed_form", "probe"};
 inline constexpr std::array<std::string_view, 2> resnet_stem{"small", "imagenet"};
@@ -56,7 +47,7 @@ std::string join(const std::array<std::string_view, N>& values) {
 }  // namespace choices
 
 struct ModelConfig {
-  std::string name = "gpt";     // gpt | llama | resnet | mlp
+  std::string name = "gpt";     // a registered family: gpt | llama | phi3 | resnet | mlp
   // gpt and llama
   // A Hugging Face folder (config.json, *.safetensors): its config.json sets name and shape, its weights the
   // initial parameters.

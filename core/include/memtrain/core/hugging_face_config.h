@@ -1,6 +1,6 @@
-// Hugging Face's config.json, both ways, for the decoders memtrain implements: gpt2 (GPT2LMHeadModel) and
-// the Llama family (llama, mistral, qwen2). The config layer's half of model.init_from and `memtrain export`;
-// the weights' names and layout are models/hugging_face.h.
+// Hugging Face's config.json, both ways, for the decoders memtrain implements (gpt2, llama, mistral, qwen2, phi3:
+// each read and written by its family, FamilyConfig in core/family_config.h). The config layer's half of
+// model.init_from and `memtrain export`; the weights' names and layout are models/hugging_face.h.
 //
 //   auto m = memtrain::model_from_hugging_face("ckpt/Llama-3.2-1B", cfg.model);  // name, shape, rope, ...
 //   std::string json = memtrain::hugging_face_config_json(m.config, "bfloat16");
@@ -16,18 +16,18 @@ namespace memtrain {
 struct HuggingFaceModel {
   ModelConfig config;              // `base` with what config.json determines
   std::vector<std::string> keys;   // the "model.*" keys config.json determined
-  std::string model_type;          // gpt2 | llama | mistral | qwen2
+  std::string model_type;          // config.json's: gpt2 | llama | mistral | qwen2 | phi3
 };
 
-// Reads DIR/config.json. Keys of `base` that config.json does not determine (block_size for the Llama
+// Reads DIR/config.json through the family that reads its model_type. Keys of `base` that config.json does not determine (block_size for the Llama
 // family, dropout, init_from) are kept. Throws ConfigError naming the folder and the key for a missing or
 // malformed file, an unknown model_type, or an option memtrain does not implement (another rope scaling
 // type, an activation other than the architecture's, a sliding window shorter than block_size).
 HuggingFaceModel model_from_hugging_face(const std::string& dir, const ModelConfig& base);
 
 // The config.json `save_pretrained` would write for this model (architectures, model_type and shape keys),
-// with the weights stored as `torch_dtype` (float32 | bfloat16 | float16). gpt -> gpt2; llama -> llama, or
-// qwen2 with attn_bias = qkv.
+// with the weights stored as `torch_dtype` (float32 | bfloat16 | float16), written by model.name's family (gpt ->
+// gpt2; llama -> llama, or qwen2 with attn_bias = qkv; phi3 -> phi3).
 std::string hugging_face_config_json(const ModelConfig& m, const std::string& torch_dtype);
 
 // Reads a peft adapter folder's adapter_config.json (peft_type LORA): r, lora_alpha, lora_dropout and

@@ -15,17 +15,14 @@
 #include <vector>
 
 #include "memtrain/core/config.h"
+#include "memtrain/models/family.h"
 #include "memtrain/models/model.h"
 
 namespace memtrain {
 
-// A parameter's tensor in a Hugging Face checkpoint.
-struct HuggingFaceName {
-  std::string name;         // transformer.h.0.attn.c_attn.weight
-  bool transposed = false;  // stored as the transpose of memtrain's (GPT-2's Conv1D weights)
-};
-// The checkpoint name of memtrain parameter `parameter` of a model.name = `model` (gpt | llama).
-HuggingFaceName hugging_face_name(const std::string& model, const std::string& parameter);
+// The checkpoint tensor of memtrain parameter `parameter` of a model `config` describes (its family's map,
+// ModelFamily::hf_name); ConfigError for a family without a Hugging Face layout.
+HuggingFaceName hugging_face_name(const ModelConfig& config, const std::string& parameter);
 
 struct HuggingFaceLoad {
   int64_t tensors = 0;     // parameters filled
@@ -85,14 +82,15 @@ std::vector<std::string> save_hugging_face(const std::string& dir, const ModelCo
 
 // ---- peft adapters (LoRA) --------------------------------------------------------------------------
 
-// peft's checkpoint name of adapter parameter `parameter` of a model.name = `model`:
+// peft's checkpoint name of adapter parameter `parameter` of the model `model` describes (a ConfigError for a
+// projection its family stores fused, Phi-3's q_proj inside qkv_proj):
 // model.layers.0.self_attn.q_proj.lora_A -> base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight,
 // h.0.attn.c_attn.lora_B -> base_model.model.transformer.h.0.attn.c_attn.lora_B.weight.
-std::string peft_name(const std::string& model, const std::string& parameter);
+std::string peft_name(const ModelConfig& model, const std::string& parameter);
 
 // Fills every adapter of `model` (add_lora made them) from DIR/adapter_model.safetensors: each present with
 // its shape, no tensor left over; otherwise a DataError naming the tensor, and nothing is copied.
-void load_lora_adapter(Model& model, const std::string& dir);
+void load_lora_adapter(Model& model, const ModelConfig& config, const std::string& dir);
 
 // Writes a peft adapter folder: adapter_config.json and adapter_model.safetensors (fp32), from the adapters
 // by memtrain name. `dir`.partial renamed; an existing `dir` is refused. Returns the files written.

@@ -64,6 +64,21 @@ struct ModelConfig;
 // gives one.
 LlamaOptions llama_options(const ModelConfig& config, int64_t vocab);
 
+// The Llama family's pieces that a Llama-shaped family (Phi-3, phi3.cpp) registers too.
+struct ModelTensors;
+class ConfigJson;
+struct HuggingFaceModel;
+// config.json of llama / mistral / qwen2 into model.* (HuggingFaceModel: core/hugging_face_config.h), and back.
+void read_llama_config(const ConfigJson& j, HuggingFaceModel& out);
+std::string llama_config_json(const ModelConfig& m, const std::string& torch_dtype);
+// The rules across the llama keys (n_kv_head divides n_head, even head width, block_size <= max_positions).
+void check_llama_keys(const ModelConfig& model);
+// The keys a Llama-shaped preset fixes.
+std::vector<std::string> llama_fixed_keys();
+// Each tensor's elements (ModelFamily::tensors) and the custom keys that describe `o` (for export).
+ModelTensors llama_tensors(const LlamaOptions& o);
+ModelConfig llama_resolved(const ModelConfig& c, const LlamaOptions& o);
+
 class RMSNormImpl : public torch::nn::Module {
  public:
   RMSNormImpl(int64_t dim, double eps);

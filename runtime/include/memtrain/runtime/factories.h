@@ -33,6 +33,8 @@ int64_t context_length(const ModelConfig& config);
 bool is_language_model(const ModelConfig& config);
 // The models whose family gives a shape for the closed-form estimate (gpt and llama); the others are probed.
 bool has_closed_form(const ModelConfig& config);
+// The families that have one, as prose: "gpt, llama and phi3".
+std::string closed_form_families();
 // gpt_options and llama_options (models/gpt.h, models/llama.h): the options a config describes.
 // What the config fixes in an estimate's inputs: bytes per element of the parameters (bf16 or fp32), masters and
 // optimizer state (low-bit: which of `trained`, the trained tensors' elements, are quantized), [dist] for `world`
