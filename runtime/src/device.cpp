@@ -99,6 +99,16 @@ std::pair<double, std::string> peak_flops(double configured_tflops, const c10::D
   return {0, ""};
 }
 
+std::string target_name_of(const c10::Device& device) {
+  if (!device.is_cuda()) return "cpu:";
+  const auto* props = at::cuda::getDeviceProperties(device.index());
+  const std::string name = props->name;
+  if (name.find("H200") != std::string::npos) return "h200-141gb";
+  if (name.find("H100") != std::string::npos && name.find("PCIe") == std::string::npos) return "h100-80gb";
+  if (name.find("A100") != std::string::npos) return props->totalGlobalMem > (60LL << 30) ? "a100-80gb" : "a100-40gb";
+  return "";
+}
+
 int64_t free_device_bytes(const c10::Device& device) {
   if (device.is_cuda()) {
     size_t free = 0, total = 0;

@@ -131,9 +131,14 @@ Plan choose_plan(std::vector<PlanCandidate> candidates, int64_t budget_bytes, do
 std::string Plan::explain() const {
   std::ostringstream o;
   auto line = [&](const char* tag, const PlanCandidate& c) {
-    o << "  " << tag << c.describe() << ": estimated peak " << format_bytes(c.estimate.peak_device()) << ", "
-      << (timed ? "step " : "relative cost ") << std::fixed << std::setprecision(1) << c.step_ms
-      << (timed ? " ms (from the probe's timings)\n" : " (untimed: several ranks must reach the same plan)\n");
+    o << "  " << tag << c.describe() << ": estimated peak " << format_bytes(c.estimate.peak_device()) << ", ";
+    if (timing == "relative")
+      o << "relative cost " << std::fixed << std::setprecision(1) << c.step_ms << " (no closed form to time)\n";
+    else if (timing == "probe")
+      o << "step " << std::fixed << std::setprecision(1) << c.step_ms << " ms (from the probe's timings)\n";
+    else
+      o << "step " << std::fixed << std::setprecision(1) << c.step_ms << " ms, " << std::setprecision(0)
+        << c.tokens_per_s << " tokens/s (the time model)\n";
   };
   o << "plan for a budget of " << format_bytes(budget_bytes) << " per rank (memory.budget_mib";
   if (headroom > 0)
@@ -142,6 +147,7 @@ std::string Plan::explain() const {
   o << "; " << fitting << " of " << considered << " settings fit; the fastest is chosen):\n";
   line("chosen:    ", chosen);
   for (const auto& r : runners_up) line("runner-up: ", r);
+  if (timing == "model") o << "  time model: " << speed_source << " (docs/ESTIMATE.md, \"Step time\")\n";
   if (!chosen.optimizer.empty())
     o << "  train.optimizer = " << chosen.optimizer << " (memory.allow_lowbit_optimizer = true): no setting with "
       << (chosen.lowbit_rank == 1 ? "fp32" : "fp32 or 8-bit") << " moments fits; the moments are stored blockwise-"

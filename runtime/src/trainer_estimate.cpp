@@ -18,6 +18,7 @@
 #include "memtrain/core/error.h"
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/device.h"
+#include "memtrain/runtime/step_time.h"
 #include "memtrain/runtime/target_estimate.h"
 #include "memtrain/runtime/trainer.h"
 
@@ -205,21 +206,33 @@ void Trainer::plan_to_budget() {
   const int64_t p0 = micro.back();
   int64_t p1 = std::max<int64_t>(p0, global / 4);
   if (p1 == p0 && global > p0) p1 = micro[micro.size() >= 2 ? micro.size() - 2 : 0];
-  const bool timed = world_.world_size == 1;  // several ranks: every rank must reach the same plan, untimed
+  // How candidates are ranked: one process times them by the probes; with several ranks rank 0 chooses (its choice
+  // travels), ranking by the time model of step_time.h on this device's speeds where the model has a closed form.
+  const bool timed = world_.world_size == 1;
+  const bool closed = closed_form_applies();
+  plan_timing_ = timed ? "probe" : closed ? "model" : "relative";
+  std::optional<TargetSpeed> speed;
+  if (plan_timing_ == "model" && world_.is_main()) {
+    const auto name = target_name_of(device_);
+    speed = target_speed(Target{.name = name, .cuda = device_.is_cuda(), .bytes = plan_budget_},
+                         config_.train.param_dtype == "bf16" || config_.train.precision != "fp32");
+    plan_speed_source_ = speed->source + (device_.is_cuda() && name.empty() ? " (this GPU is not in the table: an "
+                                                                                "H100's speeds, for the ranking)"
+                                                                              : "");
+  }
   plan_candidates_.clear();
   std::vector<std::pair<std::string, std::string>> pairs;
   for (const auto& policy : knobs.policies)
     for (const auto& head : knobs.heads) pairs.emplace_back(policy, head);
-  // GPT and Llama: each candidate's activations in closed form, at its own micro-batch; probes only for the times
-  // (one process). Other models: the probes' bytes too.
-  const bool closed = closed_form_applies();
+  // A closed form (GPT, Llama, Phi-3): each candidate's activations at its own micro-batch; probes only for the
+  // times (one process). Other models: the probes' bytes too.
   std::vector<ActivationProbe> probes(pairs.size());
   if (!closed || timed) probes = probe_settings(pairs, p0, p1, !sharded, timed);
   for (size_t k = 0; k < pairs.size(); ++k) {
     const auto& [policy, head] = pairs[k];
-    add_plan_candidates(knobs, policy, head, probes[k], closed, sharded, timed);
+    add_plan_candidates(knobs, policy, head, probes[k], closed, sharded, speed ? &*speed : nullptr);
   }
-  const auto chosen = agreed_choice(plan_candidates_, plan_budget_, timed, "");
+  const auto chosen = agreed_choice(plan_candidates_, plan_budget_, "");
   apply_chosen_plan(chosen);
 }
 
@@ -261,7 +274,7 @@ Trainer::PlanKnobs Trainer::plan_knobs() const {
 }
 
 void Trainer::add_plan_candidates(const PlanKnobs& knobs, const std::string& policy, const std::string& head,
-                                  const ActivationProbe& pr, bool closed, bool sharded, bool timed) {
+                                  const ActivationProbe& pr, bool closed, bool sharded, const TargetSpeed* speed) {
   const auto& t = config_.train;
   const auto& m = config_.memory;
   const int64_t global = knobs.global;
@@ -299,12 +312,18 @@ void Trainer::add_plan_candidates(const PlanKnobs& knobs, const std::string& pol
                           .estimate = estimate_memory(in)};
           const int64_t part = (in.root_elements + std::accumulate(in.block_elements.begin(), in.block_elements.end(),
                                                                    int64_t{0})) / world_.world_size;
-          c.step_ms = timed ? static_cast<double>(global / mb) * pr.ms_at(mb) +
-                                  (offload && !configured_offload
-                                       ? offload_step_ms(part, in.param_bytes, in.param_bytes, cpu_update_ns)
-                                       : 0.0)
-                            : plan_step_cost(mb, global / mb, recompute_fraction(policy), stage, 0.1,
-                                             offload && !configured_offload);
+          if (plan_timing_ == "probe") {
+            c.step_ms = static_cast<double>(global / mb) * pr.ms_at(mb) +
+                        (offload && !configured_offload ? offload_step_ms(part, in.param_bytes, in.param_bytes, cpu_update_ns)
+                                                        : 0.0);
+          } else if (plan_timing_ == "relative") {
+            c.step_ms = plan_step_cost(mb, global / mb, recompute_fraction(policy), stage, 0.1, offload && !configured_offload);
+          } else if (speed) {  // the time model, on rank 0 (the other ranks' rankings are not read)
+            auto v = config_;
+            c.apply_to(v);
+            const auto t = predict_step(step_settings(v, world_.world_size, world_.local_world_size), *speed);
+            c.step_ms = t.total_s * 1e3, c.tokens_per_s = t.tokens_per_s;
+          }
           plan_candidates_.push_back(c);
         }
       }
@@ -319,7 +338,7 @@ void Trainer::apply_chosen_plan(const PlanCandidate& chosen) {
   plan_lowbit_rank_ = chosen.lowbit_rank;
 }
 
-PlanCandidate Trainer::agreed_choice(const std::vector<PlanCandidate>& candidates, int64_t budget, bool timed,
+PlanCandidate Trainer::agreed_choice(const std::vector<PlanCandidate>& candidates, int64_t budget,
                                      const std::string& preface) {
   // Every rank enumerates the same candidates in the same order, but their estimates come from their own
   // probes (another GPU's workspace, another machine's allocator): rank 0 chooses, and its choice travels as
@@ -328,7 +347,7 @@ PlanCandidate Trainer::agreed_choice(const std::vector<PlanCandidate>& candidate
   int64_t index = -1;
   try {
     auto plan = choose_plan(candidates, budget, config_.memory.budget_headroom);
-    plan.timed = timed;
+    plan.timing = plan_timing_, plan.speed_source = plan_speed_source_;
     for (size_t i = 0; i < candidates.size() && index < 0; ++i) {
       const auto& c = candidates[i];
       if (c.micro_batch == plan.chosen.micro_batch && c.recompute == plan.chosen.recompute && c.head == plan.chosen.head &&
@@ -390,7 +409,7 @@ void Trainer::correct_plan(int64_t measured_peak) {
   std::ostringstream preface;
   preface << "memory: step peak " << format_bytes(measured_peak) << " is over memory.budget_mib; activations were "
           << "under-estimated by x" << scale << ", so the plan is made again:\n";
-  const auto chosen = agreed_choice(same_stage, plan_budget_, world_.world_size == 1, preface.str());
+  const auto chosen = agreed_choice(same_stage, plan_budget_, preface.str());
   chosen.apply_to(config_);  // the same stage, offload and optimizer: only the batch split, recompute and head change
   data_->set_accum_steps(config_.train.accum_steps);
   policy_ = RecomputePolicy::parse(chosen.recompute);

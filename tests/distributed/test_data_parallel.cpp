@@ -345,6 +345,15 @@ TEST(DataParallel, EveryRankTrainsRankZerosPlanWhateverItsOwnBudget) {
                                 std::regex(R"(chosen:\s+micro-batch (\d+) x (\d+), recompute (\S+), head (\w+), stage (\d))")))
       << mixed.output;
   EXPECT_EQ(m[1].str(), "4") << "rank 0's 10 MiB needs micro-batches of 4:\n" << mixed.output;
+  // Two ranks rank by the time model (step_time.h, this machine's matmuls timed on rank 0): the chosen line's tokens/s
+  // is its step's tokens (micro-batch x accumulation x 32 tokens x 2 ranks) over its predicted step (printed to 0.1 ms).
+  std::smatch t;
+  ASSERT_TRUE(std::regex_search(mixed.output, t, std::regex(R"(chosen:[^\n]*step ([0-9.]+) ms, (\d+) tokens/s \(the time model\))")))
+      << mixed.output;
+  const double predicted = std::stod(m[1].str()) * std::stod(m[2].str()) * 32 * 2 / (std::stod(t[1].str()) / 1e3);
+  EXPECT_NEAR(std::stod(t[2].str()), predicted, 0.05 * predicted) << mixed.output;
+  EXPECT_NE(mixed.output.find("time model: cpu: matmuls, attention and the optimizer timed on this machine"), std::string::npos)
+      << mixed.output;
   auto given = model;
   given.insert(given.end(), {"--train.micro_batch=" + m[1].str(), "--train.accum_steps=" + m[2].str(),
                              "--memory.recompute=" + m[3].str(), "--memory.head=" + m[4].str(),

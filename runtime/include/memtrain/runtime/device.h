@@ -37,6 +37,11 @@ std::pair<double, std::string> peak_flops(double configured_tflops, const c10::D
 // on the CPU; -1 when it cannot be read.
 int64_t free_device_bytes(const c10::Device& device);
 
+// The `--target` name of the device this run trains on, for the time model (step_time.h): a100-40gb | a100-80gb |
+// h100-80gb | h200-141gb by the CUDA device's name and memory; "cpu:" for the CPU; "" for a GPU the table does not
+// know (the time model then takes an H100's speeds and says so).
+std::string target_name_of(const c10::Device& device);
+
 // CUDA: the cuBLAS workspaces a training step leaves in the caching allocator. PyTorch keeps one per (cuBLAS
 // handle, stream), of at::cuda::getChosenWorkspaceSize() bytes (CUBLAS_WORKSPACE_CONFIG; 32 MiB on Hopper, 8 MiB +
 // 128 KiB before), and cuBLASLt uses the same one (unified by default); handles are per thread, and a step's GEMMs

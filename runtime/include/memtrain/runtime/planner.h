@@ -44,7 +44,11 @@ struct Plan {
   std::vector<PlanCandidate> runners_up;  // the next fastest that fit (at most 3)
   int64_t considered = 0;                 // candidates estimated
   int64_t fitting = 0;                    // of which fit the budget
-  bool timed = true;                      // step_ms from the probe's timings (else plan_step_cost's units)
+  // Where step_ms comes from: "probe" (one process: the probe's timings here), "model" (several ranks: the time
+  // model of step_time.h, whose speeds `speed_source` states) or "relative" (several ranks, a model without a
+  // closed form: plan_step_cost's units).
+  std::string timing = "probe";
+  std::string speed_source;
   // What a chosen estimate may reach: the budget less the headroom.
   int64_t usable_bytes() const { return static_cast<int64_t>(static_cast<double>(budget_bytes) * (1 - headroom)); }
   std::string explain() const;
@@ -57,7 +61,8 @@ struct Plan {
 // dominates it.
 Plan choose_plan(std::vector<PlanCandidate> candidates, int64_t budget_bytes, double headroom = 0);
 
-// The time model where nothing was timed (several ranks, which must all reach the same plan): relative
+// The ranking where neither the probe's timings nor the time model apply (several ranks, a model without a closed
+// form): relative
 // cost of a step of `accum_steps` micro-batches of `micro_batch` samples, each micro-batch costing one
 // sample's worth of fixed overhead; recomputation adds its share of the forward (a third of forward +
 // backward) and stage 3 gathers the parameters twice more than stages 0-2 move gradients (half again as

@@ -43,6 +43,7 @@ namespace detail {
 class StepFlags;   // train.host_reads = deferred (runtime/src/step_flags.h)
 }
 class RunReport;    // run_report.h
+struct TargetSpeed;  // step_time.h (the planner's time model)
 
 // A model's buffers (BatchNorm's running statistics and its num_batches_tracked count) kept aside and put back: a
 // step retried after running out of memory, and the estimator's probe, leave them as they found them.
@@ -239,7 +240,7 @@ class Trainer {
   struct PlanKnobs;
   PlanKnobs plan_knobs() const;
   void add_plan_candidates(const PlanKnobs& knobs, const std::string& policy, const std::string& head,
-                           const ActivationProbe& pr, bool closed, bool sharded, bool timed);
+                           const ActivationProbe& pr, bool closed, bool sharded, const TargetSpeed* speed);
   void apply_chosen_plan(const PlanCandidate& chosen);
   // After a steady step: when the measured peak is over the budget, the plan is made again once with the
   // activations scaled by the measured error (same ZeRO stage) and applied from the next step.
@@ -247,8 +248,7 @@ class Trainer {
   int64_t budget_bytes() const;
   // The plan among `candidates` for `budget`, chosen by rank 0 and applied by every rank (printed by rank 0,
   // after `preface`); ConfigError on every rank when rank 0 finds nothing that fits.
-  PlanCandidate agreed_choice(const std::vector<PlanCandidate>& candidates, int64_t budget, bool timed,
-                              const std::string& preface);
+  PlanCandidate agreed_choice(const std::vector<PlanCandidate>& candidates, int64_t budget, const std::string& preface);
   // `optimizer`: the train.optimizer whose state to count; "" = the configured one.
   EstimateInputs estimate_inputs(int world, const std::string& optimizer = "") const;
   void make_estimate();                    // setup(): estimate_ for this run
@@ -305,6 +305,8 @@ class Trainer {
   MemoryEstimate estimate_;
   std::vector<PlanCandidate> plan_candidates_;  // memory.budget_mib: every setting estimated
   int64_t plan_budget_ = 0;
+  std::string plan_timing_ = "probe";  // Plan::timing: probe | model | relative
+  std::string plan_speed_source_;       // the time model's speeds (timing = model)
   int plan_lowbit_rank_ = 0;  // the chosen plan's (memory.allow_lowbit_optimizer): corrections keep its state
   bool plan_corrected_ = false;
   ActivationProbe probe_keep_, probe_drop_;
