@@ -231,15 +231,16 @@ GradScalerOptions scaler_options(const TrainOptions& t) {
           .growth_interval = t.loss_scale_interval};
 }
 
-DataParallelOptions data_parallel_options(const Config& c, bool bf16_parameters, const std::vector<int64_t>& units) {
+DataParallelOptions data_parallel_options(const Config& c, const ParallelDims& dims, bool bf16_parameters,
+                                          const std::vector<int64_t>& units) {
   const auto& d = c.dist;
-  return {.stage = static_cast<int>(d.zero_stage),
+  return {.stage = dims.zero_stage,
           .bucket_mib = d.bucket_mib,
-          .reduce_every_micro_batch = d.reduce == "micro_batch" || bf16_parameters || d.zero_stage == 3,
+          .reduce_every_micro_batch = d.reduce == "micro_batch" || bf16_parameters || dims.gathers_parameters(),
           .master_weights = bf16_parameters,
-          .units = d.zero_stage == 3 ? units : std::vector<int64_t>{},
+          .units = dims.gathers_parameters() ? units : std::vector<int64_t>{},
           .prefetch = d.prefetch,
-          .offload = d.offload_optimizer == "cpu",
+          .offload = dims.offload,
           .align = std::max<int64_t>(1, optimizer_block(c.train)),
           .align_min_numel = c.train.optimizer_min_quantized};
 }

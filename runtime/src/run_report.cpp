@@ -242,7 +242,7 @@ void RunReport::log_line(const StepResult& r, double ms) {
   if (scaler) j["loss_scale"] = scaler->current_scale(), j["skipped"] = !r.applied;
   if (r.nonfinite) j["skipped_nonfinite"] = true;
   if (dp) j["comm_bytes"] = r.comm_bytes;  // this rank's, in the last step's collectives
-  if (dp && dp->stage() == 3) j["gathered_peak_bytes"] = r.gathered_peak_bytes;  // full parameters held at once
+  if (dp && t_.dims().gathers_parameters()) j["gathered_peak_bytes"] = r.gathered_peak_bytes;  // full parameters held at once
   for (const auto& m : mem) j["peak_" + m.device] = m.peak_allocated;
   if (!main_) return;
   metrics_ << j.dump() << "\n" << std::flush;
@@ -298,6 +298,9 @@ void RunReport::finish(const EvalResult& val, const std::optional<EvalResult>& t
                          {"recompute", c.memory.recompute},      {"head", c.memory.head},
                          {"zero_stage", c.dist.zero_stage},      {"offload_optimizer", c.dist.offload_optimizer},
                          {"optimizer", c.train.optimizer},       {"planned", parse_budget_mib(c.memory.budget_mib) != 0}};
+  const auto& dims = t_.dims();
+  summary["parallel"] = {{"world", dims.world}, {"data_parallel", dims.dp}, {"tensor_parallel", dims.tp},
+                         {"zero_stage", dims.zero_stage}, {"offload_optimizer", dims.offload}};
   if (first_logged_step_ >= 0 && last_logged_step_ > first_logged_step_) {  // after the first step, all ranks together
     const auto rate = rates(static_cast<double>(last_logged_step_ - first_logged_step_),
                             std::chrono::duration<double>(last_log_time_ - first_log_time_).count());

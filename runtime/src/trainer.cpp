@@ -432,7 +432,7 @@ EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
   // Every rank issues the same collectives whatever its share of the data: ZeRO-3 gathers each block in
   // every forward, so a rank with fewer batches (uneven shares, or none) runs the gathers of the missing
   // forwards without computing them, after its own. Stages 0-2 issue none in a forward: no count to agree on.
-  const bool gathering = dp_ && dp_->stage() == 3;
+  const bool gathering = dp_ && dims_.gathers_parameters();
   const auto own = static_cast<int64_t>(batches.size());
   const auto forwards = gathering ? static_cast<int64_t>(agreement().max(static_cast<double>(own))) : own;
   torch::NoGradGuard no_grad;
@@ -477,7 +477,7 @@ EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
 }
 
 void Trainer::gathers_of_a_forward() {
-  if (!dp_ || dp_->stage() != 3) return;  // stages 0-2: a forward issues no collective
+  if (!dp_ || !dims_.gathers_parameters()) return;  // stages 0-2: a forward issues no collective
   dp_->begin_forward();
   for (int64_t i = 0; i < model_->num_blocks(); ++i) block_hooks_->before_block(i), block_hooks_->after_block(i);
 }
@@ -551,7 +551,7 @@ void Trainer::finish(RunReport& report) {
   if (agreement().any(!test_batches.empty())) test = evaluate(test_batches);
   // Stage 3: every rank takes part in gathering the weights, unit by unit, for rank 0 to write.
   const auto weights = (fs::path(ckpt_dir_) / "model.safetensors").string();
-  const bool stage3 = dp_ && dp_->stage() == 3;
+  const bool stage3 = dp_ && dims_.gathers_parameters();
   if (ck.save_final && stage3) save_weights(weights);
   report.finish(val, test);
   if (ck.save_final && !stage3 && world_.is_main()) save_weights(weights);
@@ -595,7 +595,7 @@ void Trainer::save_weights(const std::string& path) {
   // Stage 3: full copies by the trainer's parameter names; a tied parameter's other names find its copy
   // by TensorImpl.
   auto full = dp_ ? dp_->full_parameters(world_.is_main()) : std::map<std::string, torch::Tensor>{};
-  if (!world_.is_main() && dp_ && dp_->stage() == 3) return;
+  if (!world_.is_main() && dp_ && dims_.gathers_parameters()) return;
   std::map<const void*, torch::Tensor> by_impl;
   for (size_t i = 0; i < params_.size(); ++i)
     if (auto it = full.find(param_names_[i]); it != full.end()) by_impl[params_[i].unsafeGetTensorImpl()] = it->second;

@@ -177,11 +177,15 @@ void Trainer::setup_group() {
 
 bool Trainer::setup_plan(torch::OrderedDict<std::string, torch::Tensor>& masters) {
   // memory.budget_mib: the settings read after this (micro-batch, recompute, head, stage, offload) are the plan's.
-  if (parse_budget_mib(config_.memory.budget_mib) == 0) return sharded(world_.world_size);
+  // The degrees and the stage are fixed here, once: every later "is this stage 3?" reads dims_.
+  if (parse_budget_mib(config_.memory.budget_mib) == 0) {
+    dims_ = ParallelDims::of(config_.dist, world_.world_size);
+    return dims_.sharded();
+  }
   plan_to_budget();
-  const bool now_sharded = sharded(world_.world_size);
-  if (now_sharded) master_.clear(), masters.clear();  // one process, offload chosen: DataParallel keeps them
-  return now_sharded;
+  dims_ = ParallelDims::of(config_.dist, world_.world_size);
+  if (dims_.sharded()) master_.clear(), masters.clear();  // one process, offload chosen: DataParallel keeps them
+  return dims_.sharded();
 }
 
 void Trainer::setup_recompute_and_head() {
@@ -206,12 +210,12 @@ void Trainer::setup_data_parallel() {
     group_ = ProcessGroup::create(world_, {.backend = d.backend, .timeout = std::chrono::seconds(d.timeout_s), .device = device_});
   std::vector<std::pair<std::string, torch::Tensor>> named;
   for (size_t i = 0; i < params_.size(); ++i) named.emplace_back(param_names_[i], params_[i]);
-  auto options = data_parallel_options(config_, param_dtype_ != torch::kFloat, units_);
+  auto options = data_parallel_options(config_, dims_, param_dtype_ != torch::kFloat, units_);
   if (options.stage == 3)  // what does not train is sharded too (gathered per unit, no gradient or state)
     for (size_t i = 0; i < frozen_.size(); ++i)
       options.frozen.emplace_back(frozen_names_[i], frozen_[i]), options.frozen_units.push_back(frozen_units_[i]);
   dp_ = std::make_unique<DataParallel>(group_, named, options);
-  if (d.zero_stage == 3) block_hooks_ = std::make_unique<GatherBlocks>(*dp_);
+  if (dims_.gathers_parameters()) block_hooks_ = std::make_unique<GatherBlocks>(*dp_);
   optimizer_ = make_optimizer(optimizer_options(config_.train), dp_->decay_tensors(), dp_->no_decay_tensors());
   std::map<std::string, int64_t> numel;  // low-bit state: a rank's part is quantized as its whole parameter
   for (size_t i = 0; i < params_.size(); ++i) numel[param_names_[i]] = params_[i].numel();

@@ -65,7 +65,7 @@ std::vector<ShardPiece> Trainer::state_pieces() const {
   };
   if (dp_) {
     // Stage 0: every rank holds everything; rank 0 saves it. Stages 1-2: each rank its own part.
-    if (dp_->stage() > 0 || world_.is_main()) {
+    if (dims_.zero_stage > 0 || world_.is_main()) {
       std::map<std::string, std::vector<int64_t>> shapes;
       for (const auto& slot : dp_->index()) shapes[slot.name] = slot.shape;
       for (const auto& seg : dp_->segments()) {
@@ -141,7 +141,7 @@ std::string Trainer::save_checkpoint() {
       CheckpointMeta meta;
       meta.step = step_;
       meta.world_size = world_.world_size;
-      meta.zero_stage = dp_ ? dp_->stage() : 0;
+      meta.zero_stage = dims_.zero_stage;
       meta.fields = {{"config", config_.to_ini()},
                      {"optimizer", config_.train.optimizer},
                      {"optimizer_block", std::to_string(state_block(*optimizer_))},
@@ -259,7 +259,7 @@ void Trainer::load_checkpoint(const std::string& path) {
   };
   if (dp_) {
     // Stage 3 holds no full parameters: the parts come from the stepped tensors.
-    if (dp_->stage() < 3)
+    if (!dims_.gathers_parameters())
       for (const auto& [name, p] : params) p.copy_(T.at("model/" + name));  // with masters: fp32 -> bf16 once
     for (const auto& seg : dp_->segments()) {
       seg.stepped.copy_(T.at("model/" + seg.name).reshape({-1}).slice(0, seg.begin, seg.end));

@@ -1,11 +1,34 @@
 #include <gtest/gtest.h>
 
 #include "helpers.h"
+#include "memtrain/distributed/parallel_dims.h"
 #include "memtrain/distributed/world.h"
 #include "memtrain/core/error.h"
 
 namespace memtrain {
 namespace {
+
+// The run's degrees, from dist.* and the world: a stage is what runs. One process shards nothing unless the optimizer
+// is offloaded (a group of one); several ranks shard at the configured stage; tensor parallelism is 1 until it exists.
+TEST(ParallelDims, AStageIsWhatRuns) {
+  DistConfig d;
+  d.zero_stage = 3;
+  auto one = ParallelDims::of(d, 1);
+  EXPECT_FALSE(one.sharded());
+  EXPECT_EQ(one.zero_stage, 0);
+  EXPECT_FALSE(one.gathers_parameters());
+  d.offload_optimizer = "cpu";
+  auto offloaded = ParallelDims::of(d, 1);
+  EXPECT_TRUE(offloaded.sharded());
+  EXPECT_TRUE(offloaded.gathers_parameters());
+  d.offload_optimizer = "none", d.zero_stage = 2;
+  auto four = ParallelDims::of(d, 4);
+  EXPECT_EQ(four.dp, 4);
+  EXPECT_EQ(four.tp, 1);
+  EXPECT_TRUE(four.shards_gradients());
+  EXPECT_FALSE(four.gathers_parameters());
+  EXPECT_EQ(four.describe(), "4 ranks: data parallel 4, ZeRO stage 2");
+}
 
 TEST(World, NoLauncherIsOneProcess) {
   auto w = World::from_env(std::map<std::string, std::string>{});

@@ -139,8 +139,12 @@ TEST(Planner, APlannedRunRecordsItsSettingsInTheSummary) {
                                &code);
   ASSERT_EQ(code, 0) << out;
   std::ifstream summary_file(dir.path("p/summary.json"));
-  const auto settings = nlohmann::json::parse(summary_file)["settings"];
+  const auto summary = nlohmann::json::parse(summary_file);
+  const auto settings = summary["settings"];
   const auto ini = Config::load(dir.path("p/config.ini"), {});
+  // One process without offload: nothing sharded, whatever the config's stage (ParallelDims).
+  EXPECT_EQ(summary["parallel"], nlohmann::json({{"world", 1}, {"data_parallel", 1}, {"tensor_parallel", 1},
+                                                 {"zero_stage", 0}, {"offload_optimizer", false}}));
   EXPECT_TRUE(settings["planned"].get<bool>());
   EXPECT_EQ(settings["micro_batch"].get<int64_t>() * settings["accum_steps"].get<int64_t>(), 16);
   EXPECT_LT(settings["micro_batch"].get<int64_t>(), 16) << "40 MiB does not hold 16 x 1 without recompute";

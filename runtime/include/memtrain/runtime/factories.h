@@ -17,6 +17,7 @@
 #include "memtrain/models/lora.h"
 #include "memtrain/models/model.h"
 #include "memtrain/distributed/data_parallel.h"
+#include "memtrain/distributed/parallel_dims.h"
 #include "memtrain/optim/optimizer.h"
 #include "memtrain/runtime/memory_estimate.h"
 #include "memtrain/runtime/precision.h"
@@ -74,6 +75,7 @@ GradScalerOptions scaler_options(const TrainOptions& train);
 // [dist] for DataParallel. Gradients are reduced after every micro-batch with dist.reduce = micro_batch, with
 // bf16 parameters (each micro-batch's gradient goes to the fp32 masters, as in one process) and in stage 3;
 // `units`: stage 3's unit of each parameter (ignored by the other stages).
-DataParallelOptions data_parallel_options(const Config& config, bool bf16_parameters, const std::vector<int64_t>& units);
+DataParallelOptions data_parallel_options(const Config& config, const ParallelDims& dims, bool bf16_parameters,
+                                          const std::vector<int64_t>& units);
 
 }  // namespace memtrain

@@ -25,6 +25,7 @@
 #include "memtrain/core/cpu_memory.h"
 #include "memtrain/data/datasets.h"
 #include "memtrain/distributed/data_parallel.h"
+#include "memtrain/distributed/parallel_dims.h"
 #include "memtrain/distributed/rank_agreement.h"
 #include "memtrain/distributed/world.h"
 #include "memtrain/core/memory_tracker.h"
@@ -121,6 +122,8 @@ class Trainer {
   MemoryTracker& tracker() { return *tracker_; }
   const Config& config() const { return config_; }
   const World& world() const { return world_; }
+  // The degrees of parallelism and ZeRO stage this run trains with (after memory.budget_mib's plan).
+  const ParallelDims& dims() const { return dims_; }
   const c10::Device& device() const { return device_; }
   int64_t current_step() const { return step_; }
   const std::string& run_dir() const { return run_dir_; }
@@ -212,7 +215,7 @@ class Trainer {
   void gathers_of_a_forward();
   // Several ranks, or one whose optimizer state is offloaded (a group of one), train through DataParallel and its
   // sharded optimizer; `world` ranks under this config.
-  bool sharded(int world) const { return world > 1 || config_.dist.offload_optimizer == "cpu"; }
+  bool sharded(int world) const { return ParallelDims::of(config_.dist, world).sharded(); }
   void mark_gradients() const;   // this backward's gradient blocks, for the tracker's peak breakdown (CPU)
   void move_grads_to_masters();  // device, and floating inputs in the parameters' dtype
   void resolve_budget_policy();
@@ -301,6 +304,7 @@ class Trainer {
   std::vector<int64_t> units_;        // per params_ entry: its block, or -1 (the root: outside every block, or shared)
   std::vector<int64_t> frozen_units_; // per frozen_ entry, the same
   // Whether DataParallel holds the frozen parameters (ZeRO-3 shards them; other stages leave them whole here).
+  ParallelDims dims_;  // the run's degrees and ZeRO stage, made once after the plan (setup_plan)
   bool frozen_sharded() const { return dp_ && !dp_->frozen_segments().empty(); }
   MemoryEstimate estimate_;
   std::vector<PlanCandidate> plan_candidates_;  // memory.budget_mib: every setting estimated
