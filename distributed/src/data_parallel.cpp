@@ -101,7 +101,7 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> group,
   MEMTRAIN_CHECK(!named_params.empty(), Error, "[dist] data parallelism needs at least one trainable parameter");
   device_ = named_params.front().second.device();
   const bool zero3 = options_.stage == 3;
-  if (zero3 || options_.reduce_every_micro_batch) options_.reduce_every_micro_batch = true;  // stage 3: no full gradients kept
+  options_.reduce_every_micro_batch = reduces_each_micro_batch(options_.stage, options_.reduce_every_micro_batch);
 
   // Collective: every rank builds the same buckets and broadcasts them in the same order (2, then 2b).
   const auto members = assign_buckets(named_params);              // 1. parameters to buckets, backward's order

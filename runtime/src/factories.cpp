@@ -71,7 +71,7 @@ std::string closed_form_families() {
 double reduced_part_bytes_per_element(const TrainOptions& t, const DistConfig& d, int world, bool cuda) {
   const bool bf16 = t.param_dtype == "bf16";
   const bool sharded = world > 1 || d.offload_optimizer == "cpu";
-  const bool held_across = t.accum_steps > 1 && (d.zero_stage == 3 || d.reduce == "micro_batch" || bf16);
+  const bool held_across = t.accum_steps > 1 && reduces_each_micro_batch(static_cast<int>(d.zero_stage), d.reduce == "micro_batch" || bf16);
   if (!sharded || d.zero_stage < 2 || held_across || (cuda && d.offload_optimizer == "cpu")) return 0;
   return 4.0 / static_cast<double>(std::max(1, world));  // the stepped tensor's dtype: fp32 masters or fp32 parameters
 }
@@ -149,7 +149,7 @@ EstimateInputs estimate_settings(const TrainOptions& t, const DistConfig& d, int
   in.prefetch = d.prefetch;
   in.micro_batch = t.micro_batch;
   in.accum_steps = t.accum_steps;
-  in.reduce_every_micro_batch = d.reduce == "micro_batch" || bf16;  // as DataParallel's setup
+  in.reduce_every_micro_batch = d.reduce == "micro_batch" || bf16;  // as asked; stage 3 adds itself (reduces_each_micro_batch)
   return in;
 }
 
@@ -236,7 +236,7 @@ DataParallelOptions data_parallel_options(const Config& c, const ParallelDims& d
   const auto& d = c.dist;
   return {.stage = dims.zero_stage,
           .bucket_mib = d.bucket_mib,
-          .reduce_every_micro_batch = d.reduce == "micro_batch" || bf16_parameters || dims.gathers_parameters(),
+          .reduce_every_micro_batch = reduces_each_micro_batch(dims.zero_stage, d.reduce == "micro_batch" || bf16_parameters),
           .master_weights = bf16_parameters,
           .units = dims.gathers_parameters() ? units : std::vector<int64_t>{},
           .prefetch = d.prefetch,

@@ -10,6 +10,7 @@
 
 #include "memtrain/core/error.h"
 #include "memtrain/core/memory_tracker.h"
+#include "memtrain/distributed/data_parallel.h"
 
 namespace memtrain {
 
@@ -97,7 +98,7 @@ void estimate_sharded_states(const EstimateInputs& in, int64_t p, int64_t part, 
   if (in.stage <= 1) dev.grads = p * pb;
   // ... unless it is reduced after every micro-batch of several: then it is made in the first and held
   // through the later ones' forwards.
-  const bool held_across = in.accum_steps > 1 && (in.stage == 3 || in.reduce_every_micro_batch);
+  const bool held_across = in.accum_steps > 1 && reduces_each_micro_batch(in.stage, in.reduce_every_micro_batch);
   const int64_t reduced = in.stage == 0                  ? (in.master_weights ? 4 * p : 0)
                           : in.stage >= 2 && !held_across ? 0
                                                           : part * reduced_bytes;

@@ -135,7 +135,7 @@ StepSettings step_settings(const Config& config, int world, int nproc_per_node) 
   s.parameter_elements = s.trained_elements + in.frozen_elements;
   s.param_bytes = in.param_bytes;
   s.grad_bytes = in.master_weights ? 4 : in.param_bytes;  // bf16 parameters reduce into fp32 masters' gradients
-  s.reduce_every_micro_batch = in.reduce_every_micro_batch || s.stage == 3;
+  s.reduce_every_micro_batch = reduces_each_micro_batch(s.stage, in.reduce_every_micro_batch);
   return s;
 }
 

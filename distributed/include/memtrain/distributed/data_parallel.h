@@ -55,6 +55,11 @@
 
 namespace memtrain {
 
+// Whether a step's gradients are reduced after every micro-batch rather than once at its end: dist.reduce =
+// micro_batch or bf16 parameters (`asked`: fp32 gradients are not kept across micro-batches for bf16 parameters), and
+// always at ZeRO stage 3 (no full gradients are kept). The one rule DataParallel, the estimator and the time model read.
+inline bool reduces_each_micro_batch(int stage, bool asked) { return stage == 3 || asked; }
+
 struct DataParallelOptions {
   int stage = 0;                      // ZeRO stage: 0 | 1 | 2 | 3
   double bucket_mib = 25;             // target bucket size (DDP's default)
