@@ -42,8 +42,8 @@ GPTOptions GPTOptions::preset(const std::string& name) {
 }
 
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTOptions& o) : n_head(o.n_head), dropout(o.dropout) {
-  c_attn = register_module("c_attn", torch::nn::Linear(torch::nn::LinearOptions(o.n_embd, 3 * o.n_embd).bias(o.bias)));
-  c_proj = register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(o.n_embd, o.n_embd).bias(o.bias)));
+  c_attn = register_module("c_attn", build_linear(o.n_embd, 3 * o.n_embd, o.bias, o.build));
+  c_proj = register_module("c_proj", build_linear(o.n_embd, o.n_embd, o.bias, o.build));
   resid_drop = register_module("resid_drop", torch::nn::Dropout(o.dropout));
 }
 
@@ -58,8 +58,8 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
 }
 
 MLPBlockImpl::MLPBlockImpl(const GPTOptions& o) {
-  c_fc = register_module("c_fc", torch::nn::Linear(torch::nn::LinearOptions(o.n_embd, 4 * o.n_embd).bias(o.bias)));
-  c_proj = register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(4 * o.n_embd, o.n_embd).bias(o.bias)));
+  c_fc = register_module("c_fc", build_linear(o.n_embd, 4 * o.n_embd, o.bias, o.build));
+  c_proj = register_module("c_proj", build_linear(4 * o.n_embd, o.n_embd, o.bias, o.build));
   drop = register_module("drop", torch::nn::Dropout(o.dropout));
 }
 
@@ -70,9 +70,9 @@ torch::Tensor MLPBlockImpl::forward(const torch::Tensor& x) {
 }
 
 TransformerBlockImpl::TransformerBlockImpl(const GPTOptions& o) {
-  ln_1 = register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.n_embd})));
+  ln_1 = register_module("ln_1", build_layer_norm(o.n_embd, o.build));
   attn = register_module("attn", CausalSelfAttention(o));
-  ln_2 = register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.n_embd})));
+  ln_2 = register_module("ln_2", build_layer_norm(o.n_embd, o.build));
   mlp = register_module("mlp", MLPBlock(o));
 }
 
@@ -80,15 +80,16 @@ GPT::GPT(const GPTOptions& options) : options_(options) {
   const auto& o = options_;
   MEMTRAIN_CHECK(o.n_embd % o.n_head == 0, Error, "[model] n_embd ", o.n_embd, " is not a multiple of n_head ", o.n_head);
   MEMTRAIN_CHECK(o.vocab_size > 0, Error, "[model] vocab_size must be > 0, got ", o.vocab_size);
-  wte = register_module("wte", torch::nn::Embedding(o.vocab_size, o.n_embd));
-  wpe = register_module("wpe", torch::nn::Embedding(o.block_size, o.n_embd));
+  wte = register_module("wte", build_embedding(o.vocab_size, o.n_embd, o.build));
+  wpe = register_module("wpe", build_embedding(o.block_size, o.n_embd, o.build));
   drop = register_module("drop", torch::nn::Dropout(o.dropout));
   h = register_module("h", torch::nn::ModuleList());
   for (int64_t i = 0; i < o.n_layer; ++i) {
     blocks.push_back(TransformerBlock(o));
     h->push_back(blocks.back());
   }
-  ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.n_embd})));
+  ln_f = register_module("ln_f", build_layer_norm(o.n_embd, o.build));
+  if (o.build.shapes_only) return;  // no memory yet: the trainer fills each rank's share
 
   // GPT-2 initialisation: N(0, 0.02) for weights, zero biases, and the residual projections scaled
   // by 1/sqrt(2 L) so that the residual stream's variance does not grow with depth.

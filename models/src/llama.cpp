@@ -81,8 +81,8 @@ int64_t LlamaOptions::root_parameter_count() const { return vocab_size * n_embd 
 
 int64_t LlamaOptions::parameter_count() const { return n_layer * block_parameter_count() + root_parameter_count(); }
 
-RMSNormImpl::RMSNormImpl(int64_t dim, double eps_) : eps(eps_) {
-  weight = register_parameter("weight", torch::ones({dim}));
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, const ParameterBuild& build) : eps(eps_) {
+  weight = register_parameter("weight", ones_or_shapes(dim, build));
 }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
@@ -94,7 +94,7 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
 
 LlamaAttentionImpl::LlamaAttentionImpl(const LlamaOptions& o)
     : n_head(o.n_head), n_kv_head(o.n_kv_head), head_dim(o.head_dim()) {
-  auto linear = [](int64_t in, int64_t out, bool bias) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias)); };
+  auto linear = [&](int64_t in, int64_t out, bool bias) { return build_linear(in, out, bias, o.build); };
   q_proj = register_module("q_proj", linear(o.n_embd, n_head * head_dim, o.qkv_bias));
   k_proj = register_module("k_proj", linear(o.n_embd, n_kv_head * head_dim, o.qkv_bias));
   v_proj = register_module("v_proj", linear(o.n_embd, n_kv_head * head_dim, o.qkv_bias));
@@ -123,7 +123,7 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const RotaryTa
 }
 
 LlamaMLPImpl::LlamaMLPImpl(const LlamaOptions& o) {
-  auto linear = [&](int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(o.mlp_bias)); };
+  auto linear = [&](int64_t in, int64_t out) { return build_linear(in, out, o.mlp_bias, o.build); };
   gate_proj = register_module("gate_proj", linear(o.n_embd, o.ffn_hidden));
   up_proj = register_module("up_proj", linear(o.n_embd, o.ffn_hidden));
   down_proj = register_module("down_proj", linear(o.ffn_hidden, o.n_embd));
@@ -135,20 +135,20 @@ torch::Tensor LlamaMLPImpl::forward(const torch::Tensor& x) {
 }
 
 LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaOptions& o) {
-  input_layernorm = register_module("input_layernorm", RMSNorm(o.n_embd, o.norm_eps));
+  input_layernorm = register_module("input_layernorm", RMSNorm(o.n_embd, o.norm_eps, o.build));
   self_attn = register_module("self_attn", LlamaAttention(o));
-  post_attention_layernorm = register_module("post_attention_layernorm", RMSNorm(o.n_embd, o.norm_eps));
+  post_attention_layernorm = register_module("post_attention_layernorm", RMSNorm(o.n_embd, o.norm_eps, o.build));
   mlp = register_module("mlp", LlamaMLP(o));
 }
 
 LlamaBodyImpl::LlamaBodyImpl(const LlamaOptions& o) {
-  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(o.vocab_size, o.n_embd));
+  embed_tokens = register_module("embed_tokens", build_embedding(o.vocab_size, o.n_embd, o.build));
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < o.n_layer; ++i) {
     blocks.push_back(LlamaDecoderLayer(o));
     layers->push_back(blocks.back());
   }
-  norm = register_module("norm", RMSNorm(o.n_embd, o.norm_eps));
+  norm = register_module("norm", RMSNorm(o.n_embd, o.norm_eps, o.build));
 }
 
 Llama::Llama(const LlamaOptions& options) : options_(options) {
@@ -163,7 +163,8 @@ Llama::Llama(const LlamaOptions& options) : options_(options) {
                  "[model] rope scaling '", o.rope_scaling.type, "' is not implemented; expected none | llama3");
   model = register_module("model", LlamaBody(o));
   if (!o.tie_embeddings)
-    lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(o.n_embd, o.vocab_size).bias(false)));
+    lm_head = register_module("lm_head", build_linear(o.n_embd, o.vocab_size, false, o.build));
+  if (o.build.shapes_only) return;  // no memory yet: the trainer fills each rank's share
 
   // transformers' LlamaPreTrainedModel._init_weights: N(0, initializer_range = 0.02) for every Linear and
   // the embedding, zero biases, RMSNorm weights one.

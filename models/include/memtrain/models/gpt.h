@@ -13,6 +13,7 @@
 #include <torch/nn/modules/normalization.h>
 
 #include "memtrain/models/model.h"
+#include "memtrain/models/shapes.h"
 
 namespace memtrain {
 
@@ -24,6 +25,7 @@ struct GPTOptions {
   int64_t n_embd = 128;
   double dropout = 0.0;
   bool bias = true;  // biases in the Linear layers (LayerNorms always have them, as in GPT-2)
+  ParameterBuild build{};  // shapes only (no memory, nothing drawn) or LibTorch's initialised modules
 
   // tiny (2x2x64, for tests), gpt2 (124M), gpt2-medium (350M), gpt2-large (774M), gpt2-xl (1.5B);
   // the GPT-2 presets use vocab 50257 and context 1024.

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "memtrain/models/model.h"
+#include "memtrain/models/shapes.h"
 
 namespace memtrain {
 
@@ -43,6 +44,7 @@ struct LlamaOptions {
   bool qkv_bias = false;            // biases on q, k, v (Qwen2; Llama's attention_bias)
   bool out_bias = false;            // a bias on o_proj (Llama's attention_bias)
   bool mlp_bias = false;            // biases on gate, up, down (Llama's mlp_bias)
+  ParameterBuild build{};           // shapes only (no memory, nothing drawn) or LibTorch's initialised modules
 
   int64_t head_dim() const { return n_embd / n_head; }
   // Parameters by arithmetic, without building the model (tied embeddings once): the whole model, one block,
@@ -81,7 +83,7 @@ ModelConfig llama_resolved(const ModelConfig& c, const LlamaOptions& o);
 
 class RMSNormImpl : public torch::nn::Module {
  public:
-  RMSNormImpl(int64_t dim, double eps);
+  RMSNormImpl(int64_t dim, double eps, const ParameterBuild& build = {});
   torch::Tensor forward(const torch::Tensor& x);  // (..., dim): weight * x / sqrt(mean(x^2) + eps)
 
   torch::Tensor weight;  // (dim,), ones
