@@ -21,7 +21,7 @@ JOBS = {
 }
 # Fields and console text that carry time or the folder, not what was trained.
 TIMED_KEYS = {"ms_per_step", "tokens_per_s", "samples_per_s", "flops_per_s", "mfu", "elapsed_s", "seconds", "time_s", "wall_s"}
-TIMED_TEXT = re.compile(r"[0-9.]+[kMG]? ?(ms|s|tok/s|tokens/s|samples/s|it/s|%)(?![A-Za-z])|MFU [0-9.]+%|/tmp/\S+")
+TIMED_TEXT = re.compile(r"(ETA|elapsed) \S+|[0-9.]+[kMG]? ?(ms|s|tok/s|tokens/s|samples/s|it/s|%)(?![A-Za-z])|MFU [0-9.]+%|/tmp/\S+")
 
 
 def run(build, job, folder):
