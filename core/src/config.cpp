@@ -362,6 +362,9 @@ std::vector<Entry> entries(Config& c) {
             "at the end", at_least<int64_t>(0)),
       entry("checkpoint.save_final", &ck.save_final,
             "when training ends: save the training state and the weights alone (model.safetensors)"),
+      entry("checkpoint.save_initial", &ck.save_initial,
+            "before step 1 of a fresh run: save the weights as set up (initial.safetensors beside model.safetensors): the "
+            "model the run starts from, for a baseline or to compare initialisations"),
       entry("checkpoint.keep", &ck.keep, "training-state checkpoints kept: the newest K", at_least<int64_t>(1)),
       entry("checkpoint.resume", &ck.resume,
             "empty: start fresh | auto: continue from the newest complete checkpoint in checkpoint.dir (none: start "

@@ -5,6 +5,8 @@
 #include <malloc.h>
 
 #include <atomic>
+#include <fstream>
+#include <string>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -108,6 +110,22 @@ void keep_freed_memory() {
   mallopt(M_MMAP_MAX, 0);                    // large blocks from the heap, reusable after free
   mallopt(M_TRIM_THRESHOLD, 1 << 30);        // keep up to 1 GiB of free heap top instead of trimming
 }
+
+bool return_freed_memory() { return malloc_trim(0) != 0; }
+
+namespace {
+int64_t status_kib(const char* field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  const std::string key = std::string(field) + ":";
+  while (std::getline(in, line))
+    if (line.rfind(key, 0) == 0) return std::stoll(line.substr(key.size())) * 1024;  // "VmHWM:   123456 kB"
+  return 0;
+}
+}  // namespace
+
+int64_t resident_bytes() { return status_kib("VmRSS"); }
+int64_t resident_high_water() { return status_kib("VmHWM"); }
 
 bool installed() { return g_installed.load(); }
 int64_t current() { return g_current.load(std::memory_order_relaxed); }

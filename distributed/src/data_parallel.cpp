@@ -177,25 +177,31 @@ void DataParallel::build_flat_storage(const BucketMembers& bucket_members) {
   const bool zero3 = options_.stage == 3;
   const auto& members = bucket_members.params;
   const auto& member_names = bucket_members.names;
+  const bool later = options_.contents == DataParallelOptions::Contents::kFilledLater;
+  const bool broadcast = options_.contents == DataParallelOptions::Contents::kBroadcastFromRankZero;
   for (size_t k = 0; k < buckets_.size(); ++k) {
     auto& b = *buckets_[k];
     const int64_t unit = n * std::max<int64_t>(1, options_.align);
     b.size = (b.size + unit - 1) / unit * unit;
     b.shard = b.size / n;
     const auto& first = members[k].front();
-    b.flat = torch::zeros({b.size}, first.options().requires_grad(false));  // (size,) param dtype
+    const auto flat_options = first.options().requires_grad(false);
+    // Filled later at stage 3: the full storage is only where the views are cut (one bucket at a time), never
+    // written or sent; the kept part starts at zero (its padding stays zero).
+    b.flat = later && zero3 ? torch::empty({b.size}, flat_options) : torch::zeros({b.size}, flat_options);  // (size,)
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < members[k].size(); ++i) {
       auto p = members[k][i];
       auto view = b.flat.narrow(0, b.offsets[i], p.numel()).view(p.sizes());
-      view.copy_(p.detach());
+      if (!later) view.copy_(p.detach());
       p.set_data(view);
       b.params.push_back(p);
       index_.push_back({member_names[k][i], static_cast<int64_t>(k), b.offsets[i], p.sizes().vec()});
     }
-    group_->broadcast(b.flat, 0);
+    if (broadcast) group_->broadcast(b.flat, 0);
     if (zero3) {
-      b.part = part(b.flat, rank, b.shard).clone();  // (shard,) param dtype: all that stays between uses
+      // (shard,) param dtype: all that stays between uses
+      b.part = later ? torch::zeros({b.shard}, flat_options) : part(b.flat, rank, b.shard).clone();
       resize_storage(b.flat, 0);
     }
     if (options_.stage > 0 || options_.master_weights) {
@@ -208,7 +214,8 @@ void DataParallel::build_flat_storage(const BucketMembers& bucket_members) {
                          .device(options_.offload ? c10::Device(c10::kCPU) : device);
         if (options_.offload && device.is_cuda()) where = where.pinned_memory(true);
         b.stepped = torch::empty(mine.sizes(), where);
-        b.stepped.copy_(mine);
+        if (later) b.stepped.zero_();
+        else b.stepped.copy_(mine);
       } else {
         b.stepped = mine.detach();
       }
@@ -244,6 +251,8 @@ void DataParallel::build_frozen_buckets() {
   const auto device = device_;
   const auto bucket_bytes = bucket_bytes_of(options_);
   const int64_t blocks = static_cast<int64_t>(unit_buckets_.size()) - 1;
+  const bool later = options_.contents == DataParallelOptions::Contents::kFilledLater;
+  const bool broadcast = options_.contents == DataParallelOptions::Contents::kBroadcastFromRankZero;
   for (int64_t u = blocks - 1; u >= -1; --u) {
     const auto unit = u < 0 ? blocks : u;
     std::vector<size_t> mine;
@@ -255,19 +264,21 @@ void DataParallel::build_frozen_buckets() {
       if (!b) return;
       b->size = (b->size + n - 1) / n * n;
       b->shard = b->size / n;
-      b->flat = torch::zeros({b->size}, b->params.front().options().requires_grad(false));  // (size,) param dtype
+      const auto flat_options = b->params.front().options().requires_grad(false);
+      b->flat = later ? torch::empty({b->size}, flat_options) : torch::zeros({b->size}, flat_options);  // (size,)
       torch::NoGradGuard no_grad;
       const auto k = static_cast<int64_t>(frozen_buckets_.size() - 1);
       for (size_t j = 0; j < b->params.size(); ++j) {
         auto p = b->params[j];
         auto view = b->flat.narrow(0, b->offsets[j], p.numel()).view(p.sizes());
-        view.copy_(p.detach());
+        if (!later) view.copy_(p.detach());
         p.set_data(view);
         const auto& name = options_.frozen[members_of[j]].first;
         frozen_index_.push_back({name, k, b->offsets[j], p.sizes().vec()});
       }
-      group_->broadcast(b->flat, 0);
-      b->part = part(b->flat, rank, b->shard).clone();  // (shard,) param dtype: all that stays between uses
+      if (broadcast) group_->broadcast(b->flat, 0);
+      // (shard,) param dtype: all that stays between uses
+      b->part = later ? torch::zeros({b->shard}, flat_options) : part(b->flat, rank, b->shard).clone();
       resize_storage(b->flat, 0);
       const int64_t lo = rank * b->shard, hi = lo + b->shard;
       for (size_t j = 0; j < b->params.size(); ++j) {

@@ -248,10 +248,19 @@ const ModelFamily& gpt_family() {
                  .read_hugging_face = read_gpt2_config,
                  .hugging_face_json = gpt2_config_json},
       .reads_tokens = true,
-      .build = [](const ModelConfig& c, const DataInfo& data) -> std::shared_ptr<Model> {
-        const auto o = gpt_options(c, data.vocab_size);
+      .build = [](const ModelConfig& c, const DataInfo& data, const ParameterBuild& how) -> std::shared_ptr<Model> {
+        auto o = gpt_options(c, data.vocab_size);
         check_vocabulary(o.vocab_size, data);
+        o.build = how;
         return std::make_shared<GPT>(o);
+      },
+      // GPT-2's initialisation (the constructor's loop below, per slice): N(0, 0.02) for weights, zero biases,
+      // LayerNorm 1 and 0, and the residual projections scaled by 1/sqrt(2 L).
+      .init = [](const ModelConfig& c, const std::string& name) {
+        if (name.find("ln_") != std::string::npos) return name.ends_with(".weight") ? InitSpec::ones() : InitSpec::zeros();
+        if (name.ends_with(".bias")) return InitSpec::zeros();
+        const auto layers = gpt_options(c, std::max<int64_t>(c.vocab_size, 1)).n_layer;
+        return InitSpec::normal(name.ends_with("c_proj.weight") ? 0.02 / std::sqrt(2.0 * static_cast<double>(layers)) : 0.02);
       },
       .context = [](const ModelConfig& c) { return c.preset != "custom" ? GPTOptions::preset(c.preset).block_size : c.block_size; },
       .preset_vocab = [](const ModelConfig& c) -> int64_t {

@@ -424,6 +424,13 @@ ModelConfig llama_resolved(const ModelConfig& c, const LlamaOptions& o) {
   return m;
 }
 
+InitSpec llama_init(const ModelConfig&, const std::string& name) {
+  // transformers' LlamaPreTrainedModel._init_weights (the constructor's loop above, per slice).
+  if (name.find("norm") != std::string::npos) return InitSpec::ones();
+  if (name.ends_with(".bias")) return InitSpec::zeros();
+  return InitSpec::normal(0.02);
+}
+
 const ModelFamily& llama_family() {
   static const ModelFamily family{
       .config = {.name = "llama",
@@ -435,11 +442,13 @@ const ModelFamily& llama_family() {
                  .read_hugging_face = read_llama_config,
                  .hugging_face_json = llama_config_json},
       .reads_tokens = true,
-      .build = [](const ModelConfig& c, const DataInfo& data) -> std::shared_ptr<Model> {
-        const auto o = llama_options(c, data.vocab_size);
+      .build = [](const ModelConfig& c, const DataInfo& data, const ParameterBuild& how) -> std::shared_ptr<Model> {
+        auto o = llama_options(c, data.vocab_size);
         check_vocabulary(o.vocab_size, data);
+        o.build = how;
         return std::make_shared<Llama>(o);
       },
+      .init = llama_init,
       .context = [](const ModelConfig& c) { return c.block_size; },  // a preset leaves the training context free
       .preset_vocab = [](const ModelConfig& c) -> int64_t {
         return c.preset != "custom" ? LlamaOptions::preset(c.preset).vocab_size : 0;

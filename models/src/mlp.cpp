@@ -37,7 +37,7 @@ std::string MLP::describe() const {
 const ModelFamily& mlp_family() {
   static const ModelFamily family{
       .config = {.name = "mlp", .keys = "mlp"},
-      .build = [](const ModelConfig& c, const DataInfo& data) -> std::shared_ptr<Model> {
+      .build = [](const ModelConfig& c, const DataInfo& data, const ParameterBuild&) -> std::shared_ptr<Model> {
         MLPOptions o;
         o.in_features = data.channels * data.image_size * data.image_size;
         o.num_classes = data.num_classes;

@@ -113,11 +113,13 @@ const ModelFamily& phi3_family() {
                  .read_hugging_face = read_phi3_config,
                  .hugging_face_json = phi3_config_json},
       .reads_tokens = true,
-      .build = [](const ModelConfig& c, const DataInfo& data) -> std::shared_ptr<Model> {
-        const auto o = phi3_options(c, data.vocab_size);
+      .build = [](const ModelConfig& c, const DataInfo& data, const ParameterBuild& how) -> std::shared_ptr<Model> {
+        auto o = phi3_options(c, data.vocab_size);
         check_vocabulary(o.vocab_size, data);
+        o.build = how;
         return std::make_shared<Llama>(o);
       },
+      .init = llama_init,  // Phi3PreTrainedModel: N(0, initializer_range = 0.02), norms one
       .context = [](const ModelConfig& c) { return c.block_size; },  // a preset leaves the training context free
       .preset_vocab = [](const ModelConfig& c) -> int64_t { return c.preset != "custom" ? kPhi3Vocab : 0; },
       .shape = [](const ModelConfig& c, int64_t vocab) { return phi3_options(c, vocab).shape(); },

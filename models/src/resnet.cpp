@@ -152,7 +152,7 @@ std::string ResNet::describe() const {
 const ModelFamily& resnet_family() {
   static const ModelFamily family{
       .config = {.name = "resnet", .keys = "resnet"},
-      .build = [](const ModelConfig& c, const DataInfo& data) -> std::shared_ptr<Model> {
+      .build = [](const ModelConfig& c, const DataInfo& data, const ParameterBuild&) -> std::shared_ptr<Model> {
         ResNetOptions o;
         o.depth = c.depth, o.width = c.width, o.stem = c.stem;
         o.in_channels = data.channels, o.num_classes = data.num_classes, o.image_size = data.image_size;

@@ -1,5 +1,8 @@
 #include "memtrain/models/shapes.h"
 
+#include "memtrain/core/counter_rng.h"
+#include "memtrain/core/error.h"
+
 namespace memtrain {
 
 torch::Tensor shapes_only_tensor(c10::IntArrayRef sizes, const ParameterBuild& b) {
@@ -48,6 +51,17 @@ torch::nn::LayerNorm build_layer_norm(int64_t dim, const ParameterBuild& b) {
 
 torch::Tensor ones_or_shapes(int64_t dim, const ParameterBuild& b) {
   return b.shapes_only ? shapes_only_tensor({dim}, b) : torch::ones({dim});
+}
+
+void fill_initial(const torch::Tensor& out, const InitSpec& spec, uint64_t seed, const std::string& name, int64_t begin) {
+  MEMTRAIN_CHECK(out.is_cpu() && out.scalar_type() == torch::kFloat && out.is_contiguous(), Error,
+                 "[model] initial values of '", name, "' are made in a contiguous fp32 CPU tensor");
+  switch (spec.kind) {
+    case InitSpec::Kind::kZeros: out.zero_(); break;
+    case InitSpec::Kind::kOnes: out.fill_(1.0); break;
+    case InitSpec::Kind::kNormal: fill_normal(out, seed, name, begin, spec.a, spec.b); break;
+    case InitSpec::Kind::kUniform: fill_uniform(out, seed, name, begin, spec.a, spec.b); break;
+  }
 }
 
 }  // namespace memtrain

@@ -121,6 +121,8 @@ EstimateInputs model_state_inputs(const Config& config, int world) {
     in.frozen_block_elements.assign(static_cast<size_t>(layers), block_all);
     in.frozen_root_elements = root_all;
     in.frozen_elements = layers * block_all + root_all;
+    for (const auto* list : {&block, &root})
+      for (auto n : *list) in.largest_elements = std::max(in.largest_elements, n);
     return in;
   }
   auto trained = root;
@@ -150,10 +152,15 @@ EstimateInputs estimate_settings(const TrainOptions& t, const DistConfig& d, int
   in.micro_batch = t.micro_batch;
   in.accum_steps = t.accum_steps;
   in.reduce_every_micro_batch = d.reduce == "micro_batch" || bf16;  // as asked; stage 3 adds itself (reduces_each_micro_batch)
+  for (auto n : trained) in.largest_elements = std::max(in.largest_elements, n);
   return in;
 }
 
-std::shared_ptr<Model> make_model(const ModelConfig& c, const DataInfo& data) { return model_family(c.name).build(c, data); }
+std::shared_ptr<Model> make_model(const ModelConfig& c, const DataInfo& data, const ParameterBuild& how) {
+  MEMTRAIN_CHECK(!how.shapes_only || model_family(c.name).init, Error, "[model] ", c.name,
+                 " has no table of initial values: it is built whole, not from shapes");
+  return model_family(c.name).build(c, data, how);
+}
 
 std::unique_ptr<Dataset> make_dataset(const Config& c, const Shard& shard) {
   const auto& d = c.data;

@@ -160,6 +160,28 @@ std::string estimate_activations(const EstimateInputs& in, bool sharded, int64_t
 }
 }  // namespace
 
+namespace {
+SetupPeak setup_peak(const EstimateInputs& in, bool sharded, int64_t stepped, const MemoryParts& dev, const MemoryParts& host) {
+  // What the rank holds once set up: its parameters (the parts under ZeRO-3, else whole) and the fp32 masters it
+  // steps (where they live); the moments come with the first step, the gradients with the first backward.
+  const int64_t masters = in.master_weights ? 4 * stepped : in.offload ? in.param_bytes * stepped : 0;
+  const int64_t masters_on_device = in.offload && in.cuda ? 0 : masters;
+  // Transients: DataParallel lays out one bucket at a time (at most bucket_mib, or one tensor above it); the fill
+  // holds one tensor's fp32 values on the host and, with init_from, its read (at most as many bytes again).
+  const int64_t largest = in.largest_elements;
+  const int64_t bucket = sharded ? std::max(static_cast<int64_t>(in.bucket_mib * 1024 * 1024), largest * in.param_bytes) : 0;
+  const int64_t values = 8 * largest;
+  SetupPeak s;
+  s.device = dev.params + masters_on_device + bucket + (in.cuda ? 4 * largest : 0);
+  s.host = in.cuda ? host.data + (masters - masters_on_device) + values : 0;
+  if (!in.cuda) s.device += dev.data + values;
+  s.terms = detail::concat("parameters ", format_bytes(dev.params), ", fp32 masters ", format_bytes(masters),
+                           ", one bucket ", format_bytes(bucket), ", one tensor's values ", format_bytes(values),
+                           ", data ", format_bytes(in.cuda ? host.data : dev.data));
+  return s;
+}
+}  // namespace
+
 MemoryEstimate estimate_memory(const EstimateInputs& in) {
   MemoryEstimate e;
   e.cuda = in.cuda;
@@ -186,6 +208,7 @@ MemoryEstimate estimate_memory(const EstimateInputs& in) {
   e.method = estimate_activations(in, sharded, p, dev);
   e.device = dev;
   e.host = host;
+  e.setup = setup_peak(in, sharded, stepped, dev, host);
   return e;
 }
 
@@ -206,7 +229,8 @@ std::string MemoryEstimate::table() const {
   line("bucket in flight", device.buckets_in_flight, host.buckets_in_flight);
   line("cuBLAS workspaces", device.workspace, host.workspace);
   out << "  peak                " << format_bytes(device.peak()) << (cuda ? " on the device, host " + format_bytes(host.peak()) : "")
-      << "\n  (" << method << ")\n";
+      << "\n  setup peak          " << format_bytes(setup.device) << (cuda ? " on the device, host " + format_bytes(setup.host) : "")
+      << " (before step 1: " << setup.terms << ")\n  (" << method << ")\n";
   return out.str();
 }
 
@@ -218,7 +242,7 @@ std::string MemoryEstimate::to_json() const {
                           {"buckets_in_flight", p.buckets_in_flight}, {"workspace", p.workspace},
                           {"peak", p.peak()}};
   };
-  nlohmann::json j = {{"device", parts(device)}, {"method", method}};
+  nlohmann::json j = {{"device", parts(device)}, {"method", method}, {"setup", {{"device", setup.device}, {"host", setup.host}}}};
   if (cuda) j["host"] = parts(host);
   return j.dump();
 }

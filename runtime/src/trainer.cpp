@@ -11,7 +11,11 @@
 #include <torch/csrc/cuda/memory_snapshot.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <cmath>
 #include <filesystem>
+#include <functional>
+#include <map>
 #include <iostream>
 #include <sstream>
 
@@ -21,6 +25,7 @@
 #include "memtrain/core/safetensors.h"
 #include "memtrain/models/hugging_face.h"
 #include "memtrain/models/lora.h"
+#include "memtrain/models/shapes.h"
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/fused_loss.h"
 #include "memtrain/runtime/run_report.h"
@@ -59,55 +64,123 @@ void ModelBuffers::restore(torch::nn::Module& module) {
   torch::_foreach_copy_(buffers, saved_);
 }
 
+// Every parameter's initial values, a slice at a time, in fp32 on the CPU: model.init_from's tensors (read at their
+// offset), lora.init_from's adapters, or the family's table drawn from the counter-based stream of (train.seed,
+// the parameter's name), whose every slice equals the same slice of the whole (models/shapes.h).
+class InitialValues {
+ public:
+  InitialValues(const Config& config, Model& model, const std::map<std::string, torch::Tensor>& adapters)
+      : config_(config), adapters_(adapters), init_(model_family(config.model.name).init) {
+    for (const auto& item : model.named_parameters()) shapes_[item.key()] = item.value().sizes().vec();
+    if (!config.model.init_from.empty()) weights_ = std::make_unique<HuggingFaceWeights>(model, config.model.init_from);
+  }
+  torch::Tensor operator()(const std::string& name, int64_t begin, int64_t end) {
+    if (weights_ && !is_lora_parameter(name)) return weights_->read(name, begin, end).to(torch::kFloat).reshape({-1});
+    if (auto it = adapters_.find(name); it != adapters_.end()) return it->second.reshape({-1}).slice(0, begin, end);
+    auto out = torch::empty({end - begin});  // (end - begin,) fp32
+    InitSpec spec;
+    if (name.ends_with("lora_A")) {  // peft: nn.Linear's default, U(-1/sqrt(in), 1/sqrt(in))
+      const double bound = 1.0 / std::sqrt(static_cast<double>(shapes_.at(name).at(1)));
+      spec = InitSpec::uniform(-bound, bound);
+    } else if (!name.ends_with("lora_B")) {  // lora_B: zero
+      spec = init_(config_.model, name);
+    }
+    fill_initial(out, spec, static_cast<uint64_t>(config_.train.seed), name, begin);
+    if (spec.kind == InitSpec::Kind::kNormal || spec.kind == InitSpec::Kind::kUniform) drawn_ += end - begin;
+    return out;
+  }
+  HuggingFaceWeights* weights() { return weights_.get(); }
+  int64_t drawn() const { return drawn_; }  // random values drawn so far
+
+ private:
+  const Config& config_;
+  const std::map<std::string, torch::Tensor>& adapters_;
+  std::function<InitSpec(const ModelConfig&, const std::string&)> init_;
+  std::map<std::string, std::vector<int64_t>> shapes_;
+  std::unique_ptr<HuggingFaceWeights> weights_;
+  int64_t drawn_ = 0;
+};
+
 Trainer::Trainer(const Config& config, const World& world) : config_(config), world_(world) {
+  const auto begin = std::chrono::steady_clock::now();
+  cpu_memory::reset_peak();  // the setup's host peak: from here to the end of setup, the data included
+  const int64_t resident_at_start = cpu_memory::resident_bytes();
   data_ = make_dataset(config_, {world_.rank, world_.world_size});
   check_fits_before_building();  // nothing of the model allocated yet
-  torch::manual_seed(static_cast<uint64_t>(config_.train.seed));  // weights depend on the seed alone
-  model_ = make_model(config_.model, data_->info());
-  // ZeRO-3 on several ranks (unless the planner may choose another stage): each rank reads only its own part
-  // of the weights, once its buckets exist; otherwise every rank reads them whole, before setup(), so the bf16
-  // cast, the fp32 masters and the buckets all start from them.
-  const auto& init_from = config_.model.init_from;
-  const bool by_shards = config_.dist.zero_stage == 3 && world_.world_size > 1 && parse_budget_mib(config_.memory.budget_mib) == 0;
-  if (!init_from.empty() && !by_shards) {
-    const auto begin = std::chrono::steady_clock::now();
-    const auto loaded = load_hugging_face_weights(*model_, init_from);
-    if (world_.is_main())
-      std::cout << "init_from:  " << init_from << ": " << loaded.tensors << " tensors, " << format_bytes(loaded.bytes_read)
-                << " from " << loaded.files << (loaded.files == 1 ? " file" : " files") << " in "
-                << std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count() << " s\n";
-  }
+  torch::manual_seed(static_cast<uint64_t>(config_.train.seed));  // what the table does not cover depends on the seed alone
+  // A family with a table of initial values (GPT, Llama, Phi-3) is built from shapes, in train.param_dtype on the
+  // run's device: setup gives memory to what this rank holds (under ZeRO-3 on several ranks, its parts only) and
+  // fills it, never the whole model. Others (ResNet, MLP) are built whole, initialised by their modules.
+  from_shapes_ = model_family(config_.model.name).init != nullptr;
+  fills_shards_ = from_shapes_ && ParallelDims::of(config_.dist, world_.world_size).gathers_parameters() &&
+                  world_.world_size > 1 && parse_budget_mib(config_.memory.budget_mib) == 0;
+  ParameterBuild how;
+  if (from_shapes_)
+    how = {.shapes_only = true,
+           .dtype = config_.train.param_dtype == "bf16" ? torch::kBFloat16 : torch::kFloat,
+           .device = resolve_device(config_.train.device, world_.local_rank)};
+  model_ = make_model(config_.model, data_->info(), how);
   setup();
-  if (!init_from.empty() && by_shards) load_init_from_shards();
+  // The masters (bf16 parameters: fp32, from the fp32 values) and, under ZeRO-3, the parts: this rank's segments.
+  if (from_shapes_ && dp_ && (fills_shards_ || param_dtype_ != torch::kFloat)) fill_held();
+  setup_host_peak_ = std::max(setup_host_peak_, cpu_memory::peak());
+  cpu_memory::return_freed_memory();  // setup's transients: not resident for the whole run
+  if (from_shapes_)
+    std::cout << "setup:      rank " << world_.rank << " in "
+              << std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count() << " s; host peak "
+              << format_bytes(setup_host_peak_) << " counted (" << setup_host_peak_ << " bytes), resident high-water +"
+              << format_bytes(cpu_memory::resident_high_water() - resident_at_start) << " over the start ("
+              << cpu_memory::resident_high_water() - resident_at_start << " bytes); " << random_drawn_
+              << " random values drawn\n" << std::flush;
 }
 
-void Trainer::load_init_from_shards() {
-  // Each segment this rank steps is its part of one parameter: elements [begin, end) of it, read at their
-  // offset in the file, into the stepped tensor (the fp32 master with bf16 parameters); the parameters' parts
-  // follow from those, as after loading a checkpoint.
+void Trainer::fill_whole() {
+  // Setup step 2, everything but ZeRO-3 on several ranks: every parameter whole on this rank, in its dtype on the
+  // device; the fp32 masters from the fp32 values (the parameters are rounded once, from the same values).
+  const auto begin = std::chrono::steady_clock::now();
+  InitialValues values(config_, *model_, lora_loaded_);
+  torch::NoGradGuard no_grad;
+  auto fill = [&](const torch::Tensor& p, const std::string& name, const torch::Tensor* master) {
+    const auto v = values(name, 0, p.numel()).view(p.sizes());
+    if (master) master->copy_(v);
+    p.copy_(v);
+  };
+  for (size_t i = 0; i < params_.size(); ++i) fill(params_[i], param_names_[i], master_.empty() ? nullptr : &master_[i]);
+  for (size_t i = 0; i < frozen_.size(); ++i) fill(frozen_[i], frozen_names_[i], nullptr);
+  random_drawn_ += values.drawn();
+  if (values.weights() && world_.is_main())
+    std::cout << "init_from:  " << config_.model.init_from << ": " << values.weights()->parameters().size() << " tensors, "
+              << format_bytes(values.weights()->bytes_read()) << " from " << values.weights()->files()
+              << (values.weights()->files() == 1 ? " file" : " files") << " in "
+              << std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count() << " s\n";
+}
+
+void Trainer::fill_held() {
+  // After setup: each segment this rank steps is its part of one parameter, elements [begin, end) of it, filled
+  // into the stepped tensor (the fp32 master with bf16 parameters); the parameters' parts follow from those, as
+  // after loading a checkpoint. Under ZeRO-3 the frozen parts too. With model.init_from, those elements are read
+  // at their offset in the file: a rank reads its share.
   const auto begin = std::chrono::steady_clock::now();
   const int64_t resident = cpu_memory::current();
+  const int64_t peak_before = cpu_memory::peak();
   cpu_memory::reset_peak();
-  HuggingFaceWeights weights(*model_, config_.model.init_from);
+  InitialValues values(config_, *model_, lora_loaded_);
   {
     torch::NoGradGuard no_grad;
-    for (const auto& seg : dp_->segments())  // LoRA's adapters are not in the folder: made (or read) in setup()
-      if (!is_lora_parameter(seg.name)) seg.stepped.copy_(weights.read(seg.name, seg.begin, seg.end));
+    for (const auto& seg : dp_->segments()) seg.stepped.copy_(values(seg.name, seg.begin, seg.end));
     dp_->parameters_from_stepped();
-    // What does not train is not in the buckets: whole on every rank.
-    if (frozen_sharded()) {
-      for (const auto& seg : dp_->frozen_segments()) seg.stepped.copy_(weights.read(seg.name, seg.begin, seg.end));
-    } else {
-      for (size_t i = 0; i < frozen_.size(); ++i)
-        frozen_[i].copy_(weights.read(frozen_names_[i], 0, frozen_[i].numel()).view(frozen_[i].sizes()));
-    }
+    if (fills_shards_)
+      for (const auto& seg : dp_->frozen_segments()) seg.stepped.copy_(values(seg.name, seg.begin, seg.end));
   }
+  random_drawn_ += values.drawn();
   const int64_t added = cpu_memory::peak() - resident;
-  std::cout << "init_from:  " << config_.model.init_from << ": rank " << world_.rank << " read "
-            << format_bytes(weights.bytes_read()) << " of " << format_bytes(weights.total_bytes()) << " (its shard), host +"
-            << format_bytes(added) << " at most during the load (" << added << " bytes; read " << weights.bytes_read()
-            << " of " << weights.total_bytes() << "), in "
-            << std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count() << " s\n" << std::flush;
+  setup_host_peak_ = std::max({setup_host_peak_, peak_before, cpu_memory::peak()});
+  if (auto* weights = values.weights(); weights && fills_shards_)
+    std::cout << "init_from:  " << config_.model.init_from << ": rank " << world_.rank << " read "
+              << format_bytes(weights->bytes_read()) << " of " << format_bytes(weights->total_bytes())
+              << " (its shard), host +" << format_bytes(added) << " at most during the load (" << added << " bytes; read "
+              << weights->bytes_read() << " of " << weights->total_bytes() << "), in "
+              << std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count() << " s\n" << std::flush;
 }
 
 Trainer::Trainer(const Config& config, std::shared_ptr<Model> model, std::shared_ptr<Dataset> data, const World& world)
@@ -506,6 +579,11 @@ void Trainer::fit() {
   const auto& ck = config_.checkpoint;
   make_output_folders();  // an unwritable folder found after the last step would lose the run's work
   resume_or_refuse();
+  if (ck.save_initial && step_ == 0) {  // stage 3: every rank takes part in gathering, rank 0 writes
+    const auto path = (fs::path(ckpt_dir_) / "initial.safetensors").string();
+    if ((dp_ && dims_.gathers_parameters()) || world_.is_main()) save_weights(path);
+    if (world_.is_main()) std::cout << "initial weights: " << path << "\n";
+  }
   const detail::StopSignals signals;  // SIGTERM / SIGINT: save after this step and return
   stop_seen_ = false;
   RunReport report(*this);
@@ -588,7 +666,8 @@ void Trainer::make_output_folders() const {
     fs::remove(file, ec);
   };
   probe(run_dir_, "the run folder (log.dir / log.name)");
-  if (config_.checkpoint.save_final || config_.checkpoint.every > 0) probe(ckpt_dir_, "checkpoint.dir");
+  if (config_.checkpoint.save_final || config_.checkpoint.save_initial || config_.checkpoint.every > 0)
+    probe(ckpt_dir_, "checkpoint.dir");
 }
 
 void Trainer::save_weights(const std::string& path) {

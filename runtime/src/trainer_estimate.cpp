@@ -429,6 +429,7 @@ EstimateInputs Trainer::estimate_inputs(int world, const std::string& optimizer)
   in.frozen_block_elements.assign(in.block_elements.size(), 0);
   for (size_t i = 0; i < frozen_.size(); ++i) {
     in.frozen_elements += frozen_[i].numel();
+    in.largest_elements = std::max(in.largest_elements, frozen_[i].numel());
     const auto u = i < frozen_units_.size() ? frozen_units_[i] : -1;
     (u < 0 || static_cast<size_t>(u) >= in.frozen_block_elements.size() ? in.frozen_root_elements
                                                                          : in.frozen_block_elements[static_cast<size_t>(u)]) += frozen_[i].numel();
@@ -507,10 +508,9 @@ ActivationProbe Trainer::closed_form_probe(bool keep_grads, int64_t micro_batch,
 
 void Trainer::check_fits_before_building() const {
   const auto& c = config_;
-  if (!c.memory.estimate || c.memory.estimate_method == "probe" || !has_closed_form(c.model) || !c.lora.init_from.empty() ||
-      !c.train.freeze.empty() || !c.model.init_from.empty() || parse_budget_mib(c.memory.budget_mib) != 0 ||
-      RecomputePolicy::parse(c.memory.recompute).mode == RecomputePolicy::Mode::kBudget)
-    return;  // the planner sizes its own settings; init_from's shape is read with the model; train.freeze is probed
+  if (!c.memory.estimate || c.memory.estimate_method == "probe" || !has_closed_form(c.model) || !c.train.freeze.empty() ||
+      parse_budget_mib(c.memory.budget_mib) != 0 || RecomputePolicy::parse(c.memory.recompute).mode == RecomputePolicy::Mode::kBudget)
+    return;  // the planner sizes its own settings; train.freeze (a pattern over the built model's names) is probed
   const auto device = resolve_device(c.train.device, world_.local_rank);
   const bool limited = c.memory.limit_mib > 0;
   const int64_t limit = limited ? c.memory.limit_mib << 20 : free_device_bytes(device);
@@ -527,6 +527,11 @@ void Trainer::check_fits_before_building() const {
   // A step that runs out of memory in one process is retried with smaller micro-batches, down to one sample.
   const bool retries = c.train.oom == "retry" && !sharded(world_.world_size);
   const auto at_least = estimate(retries ? 1 : c.train.micro_batch);
+  // The setup comes first: what the rank holds before step 1 and its transients (memory_estimate.h, SetupPeak).
+  MEMTRAIN_CHECK(at_least.setup.device <= limit, Error, "[memory] this run cannot be set up: before building the model, "
+                 "its setup peak per rank is ", format_bytes(at_least.setup.device), " (", at_least.setup.terms, ") and ",
+                 limited ? "memory.limit_mib = " + std::to_string(c.memory.limit_mib) : device.str() + " has " + format_bytes(limit) + " free",
+                 ". Shard the parameters (dist.zero_stage = 3 on more ranks), or lower dist.bucket_mib");
   if (at_least.peak_device() <= limit) {
     if (retries && c.train.micro_batch > 1 && world_.is_main()) {
       const auto configured = estimate(c.train.micro_batch);

@@ -12,6 +12,8 @@
 #include "memtrain/core/cpu_memory.h"
 #include "memtrain/core/error.h"
 #include "memtrain/runtime/device.h"
+#include "memtrain/models/lora.h"
+#include "memtrain/models/shapes.h"
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/run_report.h"
 #include "memtrain/runtime/trainer.h"
@@ -113,6 +115,10 @@ void Trainer::setup_device() {
 void Trainer::setup_lora_and_freeze() {
   const auto& l = config_.lora;
   const auto chosen = select_trainable(*model_, config_);
+  if (from_shapes_ && !l.init_from.empty())  // lora.init_from's adapters: the fill copies them (it gives every value)
+    for (const auto& item : model_->named_parameters())
+      if (is_lora_parameter(item.key()))
+        lora_loaded_[item.key()] = item.value().detach().to(torch::kCPU, torch::kFloat, false, /*copy=*/true);
   if (!world_.is_main()) return;
   if (l.rank > 0)
     std::cout << "lora:       rank " << l.rank << ", alpha " << format_shortest(l.alpha) << " on " << chosen.adapted.size()
@@ -132,6 +138,7 @@ torch::OrderedDict<std::string, torch::Tensor> Trainer::setup_parameters() {
     else frozen_.push_back(p), frozen_names_.push_back(item.key());
   }
   torch::OrderedDict<std::string, torch::Tensor> masters;
+  if (from_shapes_) return parameters_from_shapes();
   if (config_.train.param_dtype != "bf16") return masters;
   // bf16 parameters and gradients in the model; the optimizer steps fp32 master copies, which are copied
   // back after each step (the bf16 rounding of an update never accumulates). Several ranks: DataParallel
@@ -145,6 +152,32 @@ torch::OrderedDict<std::string, torch::Tensor> Trainer::setup_parameters() {
     masters.insert(param_names_[i], master_.back());
   }
   cast_to_bf16_keeping_batch_norm(*model_);
+  return masters;
+}
+
+torch::OrderedDict<std::string, torch::Tensor> Trainer::parameters_from_shapes() {
+  // Built from shapes: the parameters have their dtype and device and no memory; LoRA's adapters (real, fp32) take
+  // the same state, as the fill gives every value. Under ZeRO-3 on several ranks DataParallel gives each rank memory
+  // for its parts alone (filled after setup); otherwise every parameter is made whole here and filled.
+  const auto dtype = config_.train.param_dtype == "bf16" ? torch::kBFloat16 : torch::kFloat;
+  param_dtype_ = dtype;
+  const ParameterBuild none{.shapes_only = true, .dtype = dtype, .device = device_};
+  torch::NoGradGuard no_grad;
+  for (auto* list : {&params_, &frozen_})
+    for (auto& p : *list)
+      if (!has_no_memory(p) || p.scalar_type() != dtype || p.device() != device_) p.set_data(shapes_only_tensor(p.sizes(), none));
+  torch::OrderedDict<std::string, torch::Tensor> masters;
+  if (fills_shards_) return masters;
+  for (auto* list : {&params_, &frozen_})
+    for (auto& p : *list) p.set_data(torch::empty(p.sizes(), torch::TensorOptions().dtype(dtype).device(device_)));
+  // fp32 masters as in setup_parameters: whenever one process might step them (a plan may still choose offload).
+  const bool planning = parse_budget_mib(config_.memory.budget_mib) != 0;
+  if (dtype == torch::kBFloat16 && (!sharded(world_.world_size) || (planning && world_.world_size == 1)))
+    for (size_t i = 0; i < params_.size(); ++i) {
+      master_.push_back(torch::empty(params_[i].sizes(), torch::TensorOptions().device(device_)).requires_grad_());
+      masters.insert(param_names_[i], master_.back());
+    }
+  fill_whole();
   return masters;
 }
 
@@ -211,6 +244,10 @@ void Trainer::setup_data_parallel() {
   std::vector<std::pair<std::string, torch::Tensor>> named;
   for (size_t i = 0; i < params_.size(); ++i) named.emplace_back(param_names_[i], params_[i]);
   auto options = data_parallel_options(config_, dims_, param_dtype_ != torch::kFloat, units_);
+  // Built from shapes, the values are the same on every rank (filled from the seed or the checkpoint): nothing is
+  // broadcast; under ZeRO-3 on several ranks there are none yet (fill_held fills each rank's parts).
+  if (from_shapes_)
+    options.contents = fills_shards_ ? DataParallelOptions::Contents::kFilledLater : DataParallelOptions::Contents::kSameOnEveryRank;
   if (options.stage == 3)  // what does not train is sharded too (gathered per unit, no gradient or state)
     for (size_t i = 0; i < frozen_.size(); ++i)
       options.frozen.emplace_back(frozen_names_[i], frozen_[i]), options.frozen_units.push_back(frozen_units_[i]);

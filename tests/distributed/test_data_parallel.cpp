@@ -125,7 +125,15 @@ void expect_same_training(const Run& one, const Run& many, double loss_tol, doub
       EXPECT_LT(test::relative_error(got, torch::cat({w.slice(0, 0, c), w.slice(0, 2 * c)})), weight_tol) << key;
       continue;
     }
-    EXPECT_LT(test::relative_error(got, w), weight_tol) << key;
+    if (test::relative_error(got, w) < weight_tol) continue;
+    // Adam turns a gradient that is rounding noise into a step of up to lr of either sign (the bias's key third
+    // above, for a whole slice; any element whose gradient is about zero, as an element of h.1.mlp.c_proj.weight is
+    // for the counter-based initial weights of this seed). Such elements are few and off by at most 4 steps x lr;
+    // a wrong reduction moves every element, and the gradient norms above.
+    const auto off = (got - w).abs() > 1e-6 + weight_tol * w.abs();
+    EXPECT_LE(off.sum().item<int64_t>(), std::max<int64_t>(1, w.numel() / 1000))
+        << key << ": relative error " << test::relative_error(got, w) << " over more than a few elements";
+    EXPECT_LE((got - w).abs().max().item<double>(), 4 * 2e-3 + 1e-6) << key;
   }
 }
 
@@ -344,7 +352,10 @@ TEST(DataParallel, EveryRankTrainsRankZerosPlanWhateverItsOwnBudget) {
   ASSERT_TRUE(std::regex_search(mixed.output, m,
                                 std::regex(R"(chosen:\s+micro-batch (\d+) x (\d+), recompute (\S+), head (\w+), stage (\d))")))
       << mixed.output;
-  EXPECT_EQ(m[1].str(), "4") << "rank 0's 10 MiB needs micro-batches of 4:\n" << mixed.output;
+  // Rank 1's gigabytes would keep micro-batches of 8; rank 0's 10 MiB fits 4 or fewer, whichever the time model (the
+  // matmuls timed here, so a loaded machine may pick another) finds fastest.
+  EXPECT_LT(std::stoi(m[1].str()), 8) << "rank 0's 10 MiB needs micro-batches of 4 or fewer:\n" << mixed.output;
+  EXPECT_EQ(std::stoi(m[1].str()) * std::stoi(m[2].str()), 8) << mixed.output;
   // Two ranks rank by the time model (step_time.h, this machine's matmuls timed on rank 0): the chosen line's tokens/s
   // is its step's tokens (micro-batch x accumulation x 32 tokens x 2 ranks) over its predicted step (printed to 0.1 ms).
   std::smatch t;

@@ -177,6 +177,7 @@ struct CheckpointConfig {
   std::string dir = "";     // "" = <run dir>/checkpoints
   int64_t every = 0;        // save the training state every N steps (step-000N/); 0 = only at the end
   bool save_final = true;   // at the end: the training state and model.safetensors (weights only)
+  bool save_initial = false;  // before step 1: the weights as set up (initial.safetensors)
   int64_t keep = 3;         // training-state checkpoints kept (the newest)
   std::string resume = "";  // "" = start fresh | auto = the newest complete checkpoint, if any | a checkpoint folder
 };

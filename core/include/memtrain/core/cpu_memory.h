@@ -43,5 +43,12 @@ std::array<KindBytes, kKinds> bytes_at_peak();  // every kind in one pass over t
 // costs 10-20% of a CPU step here (perf: page faults and brk in the kernel). Process-wide and not
 // undoable: the memtrain binary calls it; an embedding application decides for itself.
 void keep_freed_memory();
+// Gives the heap's free memory back to the kernel once (glibc's malloc_trim): after a setup whose transient copies
+// keep_freed_memory would otherwise hold resident for the whole run. Returns whether any was given back.
+bool return_freed_memory();
+// The process's resident set now and its high-water mark (VmRSS, VmHWM from /proc/self/status), bytes; 0 where
+// the system has no such file.
+int64_t resident_bytes();
+int64_t resident_high_water();
 
 }  // namespace memtrain::cpu_memory

@@ -83,6 +83,13 @@ struct DataParallelOptions {
   // never straddle two ranks; the other parameters keep fp32 state and need no alignment).
   int64_t align = 1;
   int64_t align_min_numel = 0;
+  // What the parameters hold when DataParallel takes them: rank 0's values, broadcast to all (an embedder's model);
+  // the same values on every rank (filled from the seed or a checkpoint: copied in, no broadcast); or nothing yet
+  // (built from shapes, models/shapes.h: no copy, no broadcast; stage 3 allocates one bucket at a time and keeps
+  // its part, zeroed, as the masters; the caller fills segments() and frozen_segments(), then calls
+  // parameters_from_stepped()).
+  enum class Contents { kBroadcastFromRankZero, kSameOnEveryRank, kFilledLater };
+  Contents contents = Contents::kBroadcastFromRankZero;
 };
 
 // Where a parameter lives: its name (FQN), its bucket, its element offset there, its shape.

@@ -19,6 +19,7 @@
 #include "memtrain/core/family_config.h"
 #include "memtrain/core/data_info.h"
 #include "memtrain/models/model.h"
+#include "memtrain/models/shapes.h"
 
 namespace memtrain {
 
@@ -41,7 +42,11 @@ struct ModelFamily {
   FamilyConfig config{};       // config.name is model.name
   bool reads_tokens = false;   // a language model: token ids in, a loss over the vocabulary out
   // The model the config describes, for the data's vocabulary or image shape.
-  std::function<std::shared_ptr<Model>(const ModelConfig&, const DataInfo&)> build = nullptr;
+  // `how`: LibTorch's initialised modules, or shapes only (models/shapes.h), which a family with `init` builds.
+  std::function<std::shared_ptr<Model>(const ModelConfig&, const DataInfo&, const ParameterBuild& how)> build = nullptr;
+  // A parameter's initial values when no checkpoint gives them (the trainer draws them per slice, shapes.h); null: the
+  // family is built whole, initialised by its modules, and never from shapes.
+  std::function<InitSpec(const ModelConfig&, const std::string& parameter)> init = nullptr;
   // Tokens per sample (language models; null: model.block_size).
   std::function<int64_t(const ModelConfig&)> context = nullptr;
   // The preset's vocabulary, 0 where the preset fixes none (custom; null: the family has no presets).

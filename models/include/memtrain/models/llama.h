@@ -79,6 +79,8 @@ void check_llama_keys(const ModelConfig& model);
 std::vector<std::string> llama_fixed_keys();
 // Each tensor's elements (ModelFamily::tensors) and the custom keys that describe `o` (for export).
 ModelTensors llama_tensors(const LlamaOptions& o);
+// The Llama family's initial values by parameter name (ModelFamily::init): norms one, biases zero, else N(0, 0.02).
+InitSpec llama_init(const ModelConfig& config, const std::string& parameter);
 ModelConfig llama_resolved(const ModelConfig& c, const LlamaOptions& o);
 
 class RMSNormImpl : public torch::nn::Module {

@@ -15,6 +15,8 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/types.h>
 
+#include <string>
+
 namespace memtrain {
 
 struct ParameterBuild {
@@ -35,5 +37,21 @@ torch::nn::Embedding build_embedding(int64_t count, int64_t dim, const Parameter
 torch::nn::LayerNorm build_layer_norm(int64_t dim, const ParameterBuild& b);
 // A norm's scale: ones, or from shapes.
 torch::Tensor ones_or_shapes(int64_t dim, const ParameterBuild& b);
+
+// How a parameter starts when no checkpoint gives it (a family's table, ModelFamily::init): its values are drawn
+// from the counter-based stream of (train.seed, its name), so any slice is computed alone and equals the same
+// slice of the whole, at every world size, ZeRO stage, bucket size and device.
+struct InitSpec {
+  enum class Kind { kZeros, kOnes, kNormal, kUniform };
+  Kind kind = Kind::kZeros;
+  double a = 0, b = 0;  // normal: mean, standard deviation; uniform: [low, high)
+  static InitSpec zeros() { return {}; }
+  static InitSpec ones() { return {Kind::kOnes}; }
+  static InitSpec normal(double stddev) { return {Kind::kNormal, 0.0, stddev}; }
+  static InitSpec uniform(double low, double high) { return {Kind::kUniform, low, high}; }
+};
+// `out` (contiguous fp32 on the CPU) receives elements [begin, begin + out.numel()) of parameter `name`'s
+// flattened initial values.
+void fill_initial(const torch::Tensor& out, const InitSpec& spec, uint64_t seed, const std::string& name, int64_t begin);
 
 }  // namespace memtrain

@@ -25,7 +25,9 @@
 namespace memtrain {
 
 // model.name (choices::model_name) with its keys; the vocabulary or image shape from the data.
-std::shared_ptr<Model> make_model(const ModelConfig& config, const DataInfo& data);
+// `how.shapes_only`: parameters with their sizes and no memory (a family with `init`: GPT, Llama, Phi-3), which
+// the trainer gives memory and fills; else initialised whole by the family's modules.
+std::shared_ptr<Model> make_model(const ModelConfig& config, const DataInfo& data, const ParameterBuild& how = {});
 // data.dataset (choices::dataset); a language model's context length from [model].
 std::unique_ptr<Dataset> make_dataset(const Config& config, const Shard& shard);
 // A language model's context length: model.block_size, or its family's (a GPT preset's).

@@ -69,6 +69,7 @@ struct EstimateInputs {
   int64_t accum_steps = 1;
   bool reduce_every_micro_batch = false;  // dist.reduce = micro_batch (or bf16 parameters; stage 3 always)
   int64_t budget_bytes = -1;          // memory.recompute = budget: the activations are held to it (no probe)
+  int64_t largest_elements = 0;       // the largest parameter, trained or not (the setup's transients)
 };
 
 // Bytes per rank, by owner, on one memory.
@@ -86,9 +87,20 @@ struct MemoryParts {
   int64_t peak() const { return resident() + activations + gathered + buckets_in_flight + workspace; }
 };
 
+// The peak of the setup, before the first step (Trainer's constructor; a model built from shapes, models/shapes.h):
+// what the rank holds (its parameters, whole or, under ZeRO-3 on several ranks, its parts; the fp32 masters it
+// steps; data) plus the transients: one bucket while DataParallel lays its buckets out, and the values of one tensor
+// on the host (with init_from, its read too) while they are filled.
+struct SetupPeak {
+  int64_t device = 0;  // the training device (on a CPU run: everything)
+  int64_t host = 0;    // a GPU run's host memory
+  std::string terms;   // what makes it, for messages
+};
+
 struct MemoryEstimate {
   MemoryParts device;   // the training device (on a CPU run: everything)
   MemoryParts host;     // a GPU run's host memory (data, offloaded optimizer part); empty on CPU runs
+  SetupPeak setup;      // before the first step
   bool cuda = false;
   std::string method;   // how the activations were found
   int64_t peak_device() const { return device.peak(); }

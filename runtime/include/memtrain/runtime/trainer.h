@@ -15,6 +15,7 @@
 
 #include <chrono>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -166,6 +167,7 @@ class Trainer {
   void setup();
   void setup_device();                                           // 1
   torch::OrderedDict<std::string, torch::Tensor> setup_parameters();  // 2: returns the fp32 masters by name
+  torch::OrderedDict<std::string, torch::Tensor> parameters_from_shapes();  // 2, built from shapes
   void setup_units();                                            // 3
   void setup_group();                                            // 4
   bool setup_plan(torch::OrderedDict<std::string, torch::Tensor>& masters);  // 5: returns sharded
@@ -195,7 +197,8 @@ class Trainer {
   void make_output_folders() const;                 // fit(): every folder it writes, probed before step 1
   bool agree(bool ok) { return agreement().all(ok); }
   bool stop_requested();                            // a stop signal on any rank (collective)
-  void load_init_from_shards();                     // model.init_from under ZeRO-3: this rank's part only
+  void fill_whole();  // setup step 2, built from shapes: every parameter whole on this rank, with its values
+  void fill_held();   // after setup: the segments this rank steps (and holds, under ZeRO-3), with their values
   void setup_lora_and_freeze();                     // 0. LoRA's adapters; what does not train
   // fit()'s pieces: a save (its line in the report), traced; the end of the run.
   std::string save_reported(RunReport& report);    // the checkpoint's folder
@@ -304,6 +307,13 @@ class Trainer {
   std::vector<int64_t> units_;        // per params_ entry: its block, or -1 (the root: outside every block, or shared)
   std::vector<int64_t> frozen_units_; // per frozen_ entry, the same
   // Whether DataParallel holds the frozen parameters (ZeRO-3 shards them; other stages leave them whole here).
+  // Built from shapes (a family with a table of initial values): setup gives memory and values to what this rank
+  // holds, the whole model (fill_whole) or, under ZeRO-3 on several ranks, its parts only (fill_held).
+  bool from_shapes_ = false;
+  bool fills_shards_ = false;
+  std::map<std::string, torch::Tensor> lora_loaded_;  // lora.init_from's adapters (fp32, CPU), which the fill copies
+  int64_t random_drawn_ = 0;     // random values this rank drew for initial weights
+  int64_t setup_host_peak_ = 0;  // counted host bytes, from the Trainer's start to the end of setup
   ParallelDims dims_;  // the run's degrees and ZeRO stage, made once after the plan (setup_plan)
   bool frozen_sharded() const { return dp_ && !dp_->frozen_segments().empty(); }
   MemoryEstimate estimate_;
