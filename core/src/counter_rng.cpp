@@ -1,17 +1,16 @@
 #include "memtrain/core/counter_rng.h"
 
-#include <ATen/Parallel.h>
-
 #include <cmath>
 #include <limits>
 #include <numbers>
 
 #include "memtrain/core/error.h"
+#include "memtrain/core/parallel.h"
 
 namespace memtrain {
 namespace {
 
-constexpr int64_t kBlock = 65536;  // elements per parallel_for task
+constexpr int64_t kBlock = 65536;  // elements per task of parallel_for (core/parallel.h)
 constexpr double kTwoToMinus53 = 1.0 / 9007199254740992.0;
 
 uint32_t lo32(uint64_t v) { return static_cast<uint32_t>(v); }
@@ -34,22 +33,26 @@ void check_out(const torch::Tensor& out, int64_t begin, const char* what) {
   MEMTRAIN_CHECK(begin >= 0, Error, "[rng] ", what, ": expected begin >= 0, got ", begin);
 }
 
-// Writes elements [begin, begin + n) into `out`; pair(j) gives elements 2j and 2j + 1. Each element comes from
-// the one call site of pair(), whatever the block split, so its value does not depend on where a slice or a
-// block starts (a block that starts at an odd element computes its first pair again, and drops the half).
+// Writes elements [begin, begin + n) into `out`; pair(j) gives elements 2j and 2j + 1. The threads split the pairs
+// that cover the range, each computed once (the first and the last may be cut in half by it), so no value depends on
+// where a slice starts or on the split.
 template <class Pair>
 void fill_pairs(const torch::Tensor& out, int64_t begin, Pair pair) {
   float* data = out.data_ptr<float>();
-  at::parallel_for(0, out.numel(), kBlock, [&](int64_t lo, int64_t hi) {
-    std::array<float, 2> v{};
-    for (int64_t i = begin + lo; i < begin + hi; ++i) {
-      if (i == begin + lo || i % 2 == 0) v = pair(i / 2);
-      data[i - begin] = v[i % 2];
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  const int64_t first = begin / 2, last = (begin + n - 1) / 2 + 1;
+  auto run = [&](int64_t lo, int64_t hi) {
+    for (int64_t j = lo; j < hi; ++j) {
+      const auto v = pair(j);
+      const int64_t i = 2 * j - begin;
+      if (i >= 0) data[i] = v[0];
+      if (i + 1 < n) data[i + 1] = v[1];
     }
-  });
+  };
+  parallel_for(first, last, kBlock / 2, run);
 }
 
-// The float nearest v, kept inside [low, high): rounding to float can reach high, or fall below low.
 float inside(double v, double low, double high) {
   float f = static_cast<float>(v);
   if (f < low) f = std::nextafter(f, std::numeric_limits<float>::infinity());

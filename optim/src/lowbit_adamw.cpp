@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "memtrain/core/error.h"
+#include "memtrain/core/parallel.h"
 
 namespace memtrain {
 
@@ -206,7 +207,7 @@ void step_cpu(const torch::Tensor& param, const torch::Tensor& grad, LowBitAdamW
   if (!s.quantized()) {
     float* m = s.exp_avg.data_ptr<float>();
     float* v = s.exp_avg_sq.data_ptr<float>();
-    at::parallel_for(0, n, 16384, [&](int64_t lo, int64_t hi) { update(p + lo, g + lo, m + lo, v + lo, hi - lo, k); });
+    parallel_for(0, n, 16384, [&](int64_t lo, int64_t hi) { update(p + lo, g + lo, m + lo, v + lo, hi - lo, k); });
     return;
   }
   const int64_t B = o.block;
@@ -219,7 +220,7 @@ void step_cpu(const torch::Tensor& param, const torch::Tensor& grad, LowBitAdamW
   uint8_t* vc = s.exp_avg_sq_codes.data_ptr<uint8_t>();
   float* ma = s.exp_avg_absmax.data_ptr<float>();
   float* va = s.exp_avg_sq_absmax.data_ptr<float>();
-  at::parallel_for(0, n / B, std::max<int64_t>(1, 16384 / B), [&](int64_t first, int64_t last) {
+  parallel_for(0, n / B, std::max<int64_t>(1, 16384 / B), [&](int64_t first, int64_t last) {
     std::vector<float> m(static_cast<size_t>(B)), v(static_cast<size_t>(B));
     for (int64_t b = first; b < last; ++b) {
       const int64_t base = b * B;

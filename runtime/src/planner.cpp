@@ -105,20 +105,24 @@ Plan choose_plan(std::vector<PlanCandidate> candidates, int64_t budget_bytes, do
     return a.estimate.peak_device() < b.estimate.peak_device();
   });
   std::vector<PlanCandidate> fit;
+  // A setting fits when its training peak and its setup's peak both do (memory_estimate.h, SetupPeak).
   for (const auto& c : candidates)
-    if (c.estimate.peak_device() <= usable) fit.push_back(c);
+    if (std::max(c.estimate.peak_device(), c.estimate.setup.device) <= usable) fit.push_back(c);
   if (fit.empty()) {
-    const auto smallest = *std::min_element(candidates.begin(), candidates.end(), [](const auto& a, const auto& b) {
-      return a.estimate.peak_device() < b.estimate.peak_device();
+    auto needs = [](const PlanCandidate& c) { return std::max(c.estimate.peak_device(), c.estimate.setup.device); };
+    const auto smallest = *std::min_element(candidates.begin(), candidates.end(), [&](const auto& a, const auto& b) {
+      return needs(a) < needs(b);
     });
-    const double mib = static_cast<double>(smallest.estimate.peak_device()) / (1024.0 * 1024.0);
+    const double mib = static_cast<double>(needs(smallest)) / (1024.0 * 1024.0);
     std::ostringstream need;
     need << std::fixed << std::setprecision(1) << mib;
     const auto feasible = static_cast<int64_t>(std::ceil(mib / (1 - headroom)));
     throw ConfigError("[planner] memory.budget_mib = " + std::to_string(budget_bytes / (1024 * 1024)) +
                       " cannot be met: the smallest estimated peak of " + std::to_string(plan.considered) +
                       " settings is " + need.str() + " MiB (" + smallest.describe() + "), dominated by " +
-                      dominant(smallest.estimate.device) + "; the smallest feasible budget is memory.budget_mib = " +
+                      (smallest.estimate.setup.device > smallest.estimate.peak_device()
+                           ? "its setup (" + smallest.estimate.setup.terms + ")"
+                           : dominant(smallest.estimate.device)) + "; the smallest feasible budget is memory.budget_mib = " +
                       std::to_string(feasible) + (headroom > 0 ? " (with memory.budget_headroom = " + format_shortest(headroom) + ")" : std::string()) +
                       " (or shard more: more ranks with dist.zero_stage = 3, dist.offload_optimizer = cpu on a GPU)");
   }
@@ -131,7 +135,8 @@ Plan choose_plan(std::vector<PlanCandidate> candidates, int64_t budget_bytes, do
 std::string Plan::explain() const {
   std::ostringstream o;
   auto line = [&](const char* tag, const PlanCandidate& c) {
-    o << "  " << tag << c.describe() << ": estimated peak " << format_bytes(c.estimate.peak_device()) << ", ";
+    o << "  " << tag << c.describe() << ": estimated peak " << format_bytes(c.estimate.peak_device()) << " (setup "
+      << format_bytes(c.estimate.setup.device) << "), ";
     if (timing == "relative")
       o << "relative cost " << std::fixed << std::setprecision(1) << c.step_ms << " (no closed form to time)\n";
     else if (timing == "probe")

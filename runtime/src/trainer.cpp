@@ -75,9 +75,21 @@ class InitialValues {
     if (!config.model.init_from.empty()) weights_ = std::make_unique<HuggingFaceWeights>(model, config.model.init_from);
   }
   torch::Tensor operator()(const std::string& name, int64_t begin, int64_t end) {
-    if (weights_ && !is_lora_parameter(name)) return weights_->read(name, begin, end).to(torch::kFloat).reshape({-1});
-    if (auto it = adapters_.find(name); it != adapters_.end()) return it->second.reshape({-1}).slice(0, begin, end);
     auto out = torch::empty({end - begin});  // (end - begin,) fp32
+    into(out, name, begin);
+    return out;
+  }
+  // The same into `out` (fp32, contiguous, on the CPU): elements [begin, begin + out.numel()).
+  void into(const torch::Tensor& out, const std::string& name, int64_t begin) {
+    const int64_t end = begin + out.numel();
+    if (weights_ && !is_lora_parameter(name)) {
+      out.copy_(weights_->read(name, begin, end).reshape({-1}));
+      return;
+    }
+    if (auto it = adapters_.find(name); it != adapters_.end()) {
+      out.copy_(it->second.reshape({-1}).slice(0, begin, end));
+      return;
+    }
     InitSpec spec;
     if (name.ends_with("lora_A")) {  // peft: nn.Linear's default, U(-1/sqrt(in), 1/sqrt(in))
       const double bound = 1.0 / std::sqrt(static_cast<double>(shapes_.at(name).at(1)));
@@ -87,7 +99,6 @@ class InitialValues {
     }
     fill_initial(out, spec, static_cast<uint64_t>(config_.train.seed), name, begin);
     if (spec.kind == InitSpec::Kind::kNormal || spec.kind == InitSpec::Kind::kUniform) drawn_ += end - begin;
-    return out;
   }
   HuggingFaceWeights* weights() { return weights_.get(); }
   int64_t drawn() const { return drawn_; }  // random values drawn so far
@@ -105,6 +116,8 @@ Trainer::Trainer(const Config& config, const World& world) : config_(config), wo
   const auto begin = std::chrono::steady_clock::now();
   cpu_memory::reset_peak();  // the setup's host peak: from here to the end of setup, the data included
   const int64_t resident_at_start = cpu_memory::resident_bytes();
+  const auto run_device = resolve_device(config_.train.device, world_.local_rank);
+  if (run_device.is_cuda()) reset_peak(run_device);  // and the device's: the setup's own
   data_ = make_dataset(config_, {world_.rank, world_.world_size});
   check_fits_before_building();  // nothing of the model allocated yet
   torch::manual_seed(static_cast<uint64_t>(config_.train.seed));  // what the table does not cover depends on the seed alone
@@ -112,26 +125,32 @@ Trainer::Trainer(const Config& config, const World& world) : config_(config), wo
   // run's device: setup gives memory to what this rank holds (under ZeRO-3 on several ranks, its parts only) and
   // fills it, never the whole model. Others (ResNet, MLP) are built whole, initialised by their modules.
   from_shapes_ = model_family(config_.model.name).init != nullptr;
+  // With memory.budget_mib on several ranks the stage is the plan's: decided in setup step 5 (setup_plan).
   fills_shards_ = from_shapes_ && ParallelDims::of(config_.dist, world_.world_size).gathers_parameters() &&
                   world_.world_size > 1 && parse_budget_mib(config_.memory.budget_mib) == 0;
   ParameterBuild how;
   if (from_shapes_)
     how = {.shapes_only = true,
            .dtype = config_.train.param_dtype == "bf16" ? torch::kBFloat16 : torch::kFloat,
-           .device = resolve_device(config_.train.device, world_.local_rank)};
+           .device = run_device};
   model_ = make_model(config_.model, data_->info(), how);
   setup();
   // The masters (bf16 parameters: fp32, from the fp32 values) and, under ZeRO-3, the parts: this rank's segments.
   if (from_shapes_ && dp_ && (fills_shards_ || param_dtype_ != torch::kFloat)) fill_held();
   setup_host_peak_ = std::max(setup_host_peak_, cpu_memory::peak());
   cpu_memory::return_freed_memory();  // setup's transients: not resident for the whole run
+  const int64_t device_peak = run_device.is_cuda() ? read_counters(run_device).peak_allocated : 0;
   if (from_shapes_)
     std::cout << "setup:      rank " << world_.rank << " in "
               << std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count() << " s; host peak "
               << format_bytes(setup_host_peak_) << " counted (" << setup_host_peak_ << " bytes), resident high-water +"
               << format_bytes(cpu_memory::resident_high_water() - resident_at_start) << " over the start ("
               << cpu_memory::resident_high_water() - resident_at_start << " bytes); " << random_drawn_
-              << " random values drawn\n" << std::flush;
+              << " random values drawn"
+              << (run_device.is_cuda() ? detail::concat("; ", run_device.str(), " peak ", format_bytes(device_peak), " (",
+                                                        device_peak, " bytes)")
+                                       : std::string())
+              << "\n" << std::flush;
 }
 
 void Trainer::fill_whole() {
@@ -141,9 +160,13 @@ void Trainer::fill_whole() {
   InitialValues values(config_, *model_, lora_loaded_);
   torch::NoGradGuard no_grad;
   auto fill = [&](const torch::Tensor& p, const std::string& name, const torch::Tensor* master) {
-    const auto v = values(name, 0, p.numel()).view(p.sizes());
-    if (master) master->copy_(v);
-    p.copy_(v);
+    // Straight into the fp32 tensor where it is on the CPU (no copy of the values), else through one on the host.
+    const auto& first = master ? *master : p;
+    const bool direct = first.is_cpu() && first.scalar_type() == torch::kFloat && first.is_contiguous();
+    const auto v = direct ? first : values(name, 0, p.numel()).view(p.sizes());
+    if (direct) values.into(first.view({-1}), name, 0);
+    if (master && !direct) master->copy_(v);
+    if (master || !direct) p.copy_(v);
   };
   for (size_t i = 0; i < params_.size(); ++i) fill(params_[i], param_names_[i], master_.empty() ? nullptr : &master_[i]);
   for (size_t i = 0; i < frozen_.size(); ++i) fill(frozen_[i], frozen_names_[i], nullptr);
@@ -167,7 +190,12 @@ void Trainer::fill_held() {
   InitialValues values(config_, *model_, lora_loaded_);
   {
     torch::NoGradGuard no_grad;
-    for (const auto& seg : dp_->segments()) seg.stepped.copy_(values(seg.name, seg.begin, seg.end));
+    for (const auto& seg : dp_->segments()) {
+      if (seg.stepped.is_cpu() && seg.stepped.scalar_type() == torch::kFloat && seg.stepped.is_contiguous())
+        values.into(seg.stepped, seg.name, seg.begin);  // straight into this rank's part
+      else
+        seg.stepped.copy_(values(seg.name, seg.begin, seg.end));
+    }
     dp_->parameters_from_stepped();
     if (fills_shards_)
       for (const auto& seg : dp_->frozen_segments()) seg.stepped.copy_(values(seg.name, seg.begin, seg.end));

@@ -81,6 +81,7 @@ void Trainer::setup() {
   setup_units();                          // 3. ZeRO-3's unit of each parameter (and the estimate's)
   setup_group();                          // 4. several ranks: the rendezvous and process group
   const bool sharded = setup_plan(masters);  // 5. memory.budget_mib's plan; whether the optimizer is sharded
+  parameters_after_plan();                // 5b. built from shapes, a plan on several ranks: memory and values by its stage
   if (!sharded)
     optimizer_ = make_optimizer(optimizer_options(config_.train),
                                 config_.train.param_dtype == "bf16" ? masters : model_->named_parameters());
@@ -167,11 +168,13 @@ torch::OrderedDict<std::string, torch::Tensor> Trainer::parameters_from_shapes()
     for (auto& p : *list)
       if (!has_no_memory(p) || p.scalar_type() != dtype || p.device() != device_) p.set_data(shapes_only_tensor(p.sizes(), none));
   torch::OrderedDict<std::string, torch::Tensor> masters;
-  if (fills_shards_) return masters;
-  for (auto* list : {&params_, &frozen_})
-    for (auto& p : *list) p.set_data(torch::empty(p.sizes(), torch::TensorOptions().dtype(dtype).device(device_)));
-  // fp32 masters as in setup_parameters: whenever one process might step them (a plan may still choose offload).
+  // ZeRO-3 on several ranks: DataParallel gives memory to the parts. A plan for memory.budget_mib on several ranks
+  // chooses the stage in step 5 without running the model (the time model ranks, no probe): the parameters wait
+  // without memory until then (parameters_after_plan). One process probes its candidates: whole here.
   const bool planning = parse_budget_mib(config_.memory.budget_mib) != 0;
+  if (fills_shards_ || (planning && world_.world_size > 1)) return masters;
+  give_whole_memory();
+  // fp32 masters as in setup_parameters: whenever one process might step them (a plan may still choose offload).
   if (dtype == torch::kBFloat16 && (!sharded(world_.world_size) || (planning && world_.world_size == 1)))
     for (size_t i = 0; i < params_.size(); ++i) {
       master_.push_back(torch::empty(params_[i].sizes(), torch::TensorOptions().device(device_)).requires_grad_());
@@ -179,6 +182,22 @@ torch::OrderedDict<std::string, torch::Tensor> Trainer::parameters_from_shapes()
     }
   fill_whole();
   return masters;
+}
+
+void Trainer::give_whole_memory() {
+  for (auto* list : {&params_, &frozen_})
+    for (auto& p : *list) p.set_data(torch::empty(p.sizes(), p.options()));
+}
+
+void Trainer::parameters_after_plan() {
+  // Built from shapes with a plan on several ranks: its stage decides. ZeRO-3 fills each rank's parts after setup;
+  // another stage gives every parameter whole memory and fills it now (DataParallel keeps the masters: none here).
+  if (!from_shapes_ || world_.world_size == 1 || parse_budget_mib(config_.memory.budget_mib) == 0) return;
+  fills_shards_ = dims_.gathers_parameters();
+  if (fills_shards_) return;
+  torch::NoGradGuard no_grad;
+  give_whole_memory();
+  fill_whole();
 }
 
 void Trainer::setup_units() {

@@ -39,7 +39,7 @@ std::array<uint32_t, 4> philox4x32_10(std::array<uint32_t, 4> counter, std::arra
 uint64_t name_key(const std::string& name);
 
 // `out` (a contiguous fp32 CPU tensor of n elements, any shape) receives elements [begin, begin + n) of the
-// stream of (seed, name), drawn from N(mean, stddev^2). Multi-threaded (at::parallel_for over blocks of 65536);
+// stream of (seed, name), drawn from N(mean, stddev^2). Multi-threaded (core/parallel.h, blocks of at least 65536);
 // no value depends on the split, on `begin` or on the thread count.
 void fill_normal(const torch::Tensor& out, uint64_t seed, const std::string& name, int64_t begin, double mean,
                  double stddev);

@@ -14,7 +14,7 @@
 //     v = lerp(v, g^2, 1 - beta2), p -= lr (m / bc1) / (sqrt(v) / sqrt(bc2) + eps) with the fp32 moments,
 //     then requantize them. Bias corrections and lr in fp32, as torchao computes them.
 //
-// CPU fp32 tensors take a fused loop (at::parallel_for over blocks); other devices and dtypes take the same
+// CPU fp32 tensors take a fused loop (core/parallel.h over blocks); other devices and dtypes take the same
 // arithmetic as ATen ops.
 //
 //   auto opt = make_optimizer({.kind = OptimizerOptions::Kind::kAdamW8bit, .lr = 3e-4}, model->named_parameters());

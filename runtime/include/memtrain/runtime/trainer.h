@@ -168,6 +168,8 @@ class Trainer {
   void setup_device();                                           // 1
   torch::OrderedDict<std::string, torch::Tensor> setup_parameters();  // 2: returns the fp32 masters by name
   torch::OrderedDict<std::string, torch::Tensor> parameters_from_shapes();  // 2, built from shapes
+  void give_whole_memory();       // every parameter: memory for the whole of it (no values yet)
+  void parameters_after_plan();   // 5b: a plan on several ranks chose the stage
   void setup_units();                                            // 3
   void setup_group();                                            // 4
   bool setup_plan(torch::OrderedDict<std::string, torch::Tensor>& masters);  // 5: returns sharded
