@@ -168,8 +168,15 @@ SetupPeak setup_peak(const EstimateInputs& in, bool sharded, int64_t stepped, co
   const int64_t masters_on_device = in.offload && in.cuda ? 0 : masters;
   // Transients: DataParallel lays out one bucket at a time (at most bucket_mib, or one tensor above it); the fill
   // holds one tensor's fp32 values on the host and, with init_from, its read (at most as many bytes again).
+  // A bucket closes once it reaches bucket_mib (so it may pass it by one tensor) and never holds more than its
+  // unit: the whole model, or at stage 3 one block or the root.
   const int64_t largest = in.largest_elements;
-  const int64_t bucket = sharded ? std::max(static_cast<int64_t>(in.bucket_mib * 1024 * 1024), largest * in.param_bytes) : 0;
+  const int64_t blocks = std::accumulate(in.block_elements.begin(), in.block_elements.end(), int64_t{0});
+  const int64_t unit = in.stage == 3 ? std::max(in.root_elements, in.block_elements.empty() ? int64_t{0}
+                                                    : *std::max_element(in.block_elements.begin(), in.block_elements.end()))
+                                     : blocks + in.root_elements;
+  const int64_t cap = static_cast<int64_t>(in.bucket_mib * 1024 * 1024) / std::max<int64_t>(1, in.param_bytes) + largest;
+  const int64_t bucket = sharded ? std::max(std::min(unit, cap), largest) * in.param_bytes : 0;
   const int64_t values = 8 * largest;
   SetupPeak s;
   s.device = dev.params + masters_on_device + bucket + (in.cuda ? 4 * largest : 0);
