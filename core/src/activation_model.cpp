@@ -149,6 +149,9 @@ ActivationEstimate transformer_activations(const TransformerShape& m, const Acti
   const int64_t t = s.micro_batch * m.context, h = m.hidden, V = m.vocab, L = m.layers;
   const int64_t r = s.half_params ? 2 : 4, e = s.half_params || s.autocast ? 2 : 4;
   const int64_t pb = s.half_params ? 2 : 4;                 // a gradient's bytes (the parameters' dtype)
+  // A kept gradient's bytes: bf16 parameters move each gradient into its fp32 master's as it completes, unless the
+  // masters step bucket by bucket from the bf16 gradients.
+  const int64_t gb = s.half_params && !s.masters_by_bucket ? 4 : pb;
   const int64_t w = s.autocast && !s.half_params ? 2 : 0;
   const auto b = block_model(m, s);
   out.block_saved = (b.attn.per_token + b.mlp.per_token) * t;
@@ -235,7 +238,7 @@ ActivationEstimate transformer_activations(const TransformerShape& m, const Acti
   // (recomputed when checkpointed), the gradients born so far (one process) are there, and the residual's
   // gradient, the recomputed output and the backward's working set.
   const int64_t head_grads = s.keep_grads && !frozen
-                                 ? pb * (m.root_parameters - (m.family == TransformerShape::Family::kGpt
+                                 ? gb * (m.root_parameters - (m.family == TransformerShape::Family::kGpt
                                                                   ? m.positions * h : (m.tied ? 0 : V * h)))
                                  : 0;  // the embeddings' gradients are born last; LoRA trains no root parameter
   const int64_t block_trained = frozen ? s.lora.block_elements(m) : m.block_parameters;
@@ -243,7 +246,7 @@ ActivationEstimate transformer_activations(const TransformerShape& m, const Acti
   for (int64_t i = L - 1; i >= 0; --i) {
     below -= kept[static_cast<size_t>(i)], below_tensors -= kept_tensors[static_cast<size_t>(i)];
     const bool whole = !part && s.policy.checkpoints_block(i);
-    const int64_t grads = s.keep_grads ? head_grads + pb * (L - i) * block_trained : 0;
+    const int64_t grads = s.keep_grads ? head_grads + gb * (L - i) * block_trained : 0;
     // ZeRO 2-3: the reduced parts of the blocks above, whose buckets were reduced (this block's is in flight).
     const auto reduced = static_cast<int64_t>(std::llround(s.reduced_bytes_per_element * static_cast<double>((L - 1 - i) * block_trained)));
     const int64_t attn_held = attn_ck ? b.input * t : b.attn.per_token * t + b.attn.weights;
@@ -263,17 +266,19 @@ ActivationEstimate transformer_activations(const TransformerShape& m, const Acti
   }
 
   if (s.keep_grads) {
-    // The backward's end: every gradient, the embedding's dense gradient (added into the tied head's), the
-    // embedding output's gradient. With bf16 parameters, the gradients then move to fp32 masters one tensor
-    // at a time.
+    // The backward's end: every gradient (fp32 with masters, each moved as it completed; bf16 when the masters step
+    // by bucket), the embedding's dense gradient (added into the tied head's), the embedding output's gradient.
     const int64_t P = L * block_trained + (frozen ? 0 : m.root_parameters);
     candidate("the backward's end (every gradient born)",
-              {batch, {"gradients", pb * P}, {"embedding's dense gradient", frozen ? 0 : pb * V * h},
+              {batch, {"gradients", gb * P}, {"embedding's dense gradient", frozen ? 0 : pb * V * h},
                {"embedding output's gradient", frozen ? 0 : r * h * t}},
               2 * 12 * L);
+    // The step by bucket: the bf16 gradients not yet stepped and one bucket's fp32 gradients (or one tensor's).
     const int64_t largest = frozen ? s.lora.rank * std::max(m.hidden, m.ffn) : m.largest_parameter;
-    if (s.half_params)
-      candidate("the gradients' move to the fp32 masters", {batch, {"fp32 master gradients", 4 * P + 2 * largest}}, 12 * L);
+    if (s.half_params && s.masters_by_bucket)
+      candidate("the masters' step, bucket by bucket",
+                {batch, {"bf16 gradients", pb * P}, {"one bucket's fp32 gradients", 4 * (std::min(P, s.bucket_elements) + largest)}},
+                12 * L);
   }
   return out;
 }

@@ -4,6 +4,7 @@
 
 #include <malloc.h>
 
+#include <algorithm>
 #include <atomic>
 #include <fstream>
 #include <string>
@@ -125,7 +126,8 @@ int64_t status_kib(const char* field) {
 }  // namespace
 
 int64_t resident_bytes() { return status_kib("VmRSS"); }
-int64_t resident_high_water() { return status_kib("VmHWM"); }
+// The kernel updates VmHWM lazily (per-thread RSS counters are folded in batches): it can read below VmRSS.
+int64_t resident_high_water() { return std::max(status_kib("VmHWM"), status_kib("VmRSS")); }
 
 bool installed() { return g_installed.load(); }
 int64_t current() { return g_current.load(std::memory_order_relaxed); }

@@ -208,6 +208,10 @@ std::unique_ptr<Dataset> make_dataset(const Config& c, const Shard& shard) {
   unhandled("data.dataset", d.dataset);
 }
 
+bool steps_in_parts(const std::string& optimizer) {
+  return optimizer == "adamw" || optimizer == "adamw8bit" || optimizer == "adamw4bit";
+}
+
 OptimizerOptions optimizer_options(const TrainOptions& t) {
   OptimizerOptions o;
   if (t.optimizer == "adamw") o.kind = OptimizerOptions::Kind::kAdamW;

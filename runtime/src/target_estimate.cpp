@@ -49,6 +49,9 @@ ActivationSettings activation_settings(const Config& config, bool cuda, bool kee
   s.reduced_bytes_per_element = reduced_part_bytes_per_element(config.train, config.dist, world, cuda);
   s.micro_batch = micro_batch;
   s.half_params = config.train.param_dtype == "bf16";
+  s.masters_by_bucket = s.half_params && keep_grads && world == 1 && config.dist.offload_optimizer != "cpu" &&
+                        config.train.accum_steps == 1 && steps_in_parts(config.train.optimizer);
+  s.bucket_elements = static_cast<int64_t>(config.dist.bucket_mib * 1024 * 1024) / 4;
   s.autocast = config.train.precision != "fp32" && !s.half_params;
   s.policy = RecomputePolicy::parse(config.memory.recompute);
   s.policy.offload = config.memory.offload;

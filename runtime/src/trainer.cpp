@@ -29,6 +29,7 @@
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/fused_loss.h"
 #include "memtrain/runtime/run_report.h"
+#include "gradient_hooks.h"
 #include "step_flags.h"
 #include "stop_signals.h"
 
@@ -140,12 +141,12 @@ Trainer::Trainer(const Config& config, const World& world) : config_(config), wo
   setup_host_peak_ = std::max(setup_host_peak_, cpu_memory::peak());
   cpu_memory::return_freed_memory();  // setup's transients: not resident for the whole run
   const int64_t device_peak = run_device.is_cuda() ? read_counters(run_device).peak_allocated : 0;
+  const int64_t grown = std::max<int64_t>(0, cpu_memory::resident_high_water() - resident_at_start);
   if (from_shapes_)
     std::cout << "setup:      rank " << world_.rank << " in "
               << std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count() << " s; host peak "
               << format_bytes(setup_host_peak_) << " counted (" << setup_host_peak_ << " bytes), resident high-water +"
-              << format_bytes(cpu_memory::resident_high_water() - resident_at_start) << " over the start ("
-              << cpu_memory::resident_high_water() - resident_at_start << " bytes); " << random_drawn_
+              << format_bytes(grown) << " over the start (" << grown << " bytes); " << random_drawn_
               << " random values drawn"
               << (run_device.is_cuda() ? detail::concat("; ", run_device.str(), " peak ", format_bytes(device_peak), " (",
                                                         device_peak, " bytes)")
@@ -241,26 +242,91 @@ void Trainer::mark_gradients() const {
     if (p.grad().defined()) cpu_memory::mark(p.grad().storage().data(), cpu_memory::Kind::kGradient);
 }
 
-void Trainer::move_grads_to_masters() {
-  if (master_.empty()) return;
+void Trainer::grad_into_master(size_t i) {
+  auto& g = params_[i].mutable_grad();
+  if (!g.defined() || grads_stay_bf16_) return;
   torch::NoGradGuard no_grad;
-  const bool mark = device_.is_cpu() && cpu_memory::installed();
-  // A step's first micro-batch makes each fp32 gradient (one cast per parameter); later ones add theirs with one
-  // _foreach_add_ (fp32 += bf16: CUDA's multi-tensor path needs one dtype, so this is still a kernel per
-  // parameter there; docs/ARCHITECTURE.md says what one launch would cost).
-  std::vector<torch::Tensor> sums, adds;
-  for (size_t i = 0; i < master_.size(); ++i) {
-    auto& g = params_[i].mutable_grad();
-    if (!g.defined()) continue;
-    if (master_[i].grad().defined()) {
-      sums.push_back(master_[i].grad()), adds.push_back(g);
-    } else {
-      master_[i].mutable_grad() = g.to(torch::kFloat);
-      if (mark) cpu_memory::mark(master_[i].grad().storage().data(), cpu_memory::Kind::kGradient);
-    }
+  auto& m = master_[i].mutable_grad();
+  if (m.defined()) {
+    m.add_(g);  // fp32 += bf16, a later micro-batch (or a later inner backward of a recomputed block)
+  } else {
+    m = g.to(torch::kFloat);
+    if (device_.is_cpu() && cpu_memory::installed()) cpu_memory::mark(m.storage().data(), cpu_memory::Kind::kGradient);
   }
-  if (!sums.empty()) torch::_foreach_add_(sums, adds);  // fp32 += bf16, as add_ does
-  for (auto& p : params_) p.mutable_grad().reset();  // the bf16 gradients are freed: the next micro-batch starts from zero
+  g.reset();  // the next micro-batch starts from zero
+}
+
+void Trainer::move_grads_to_masters() {
+  for (size_t i = 0; i < master_.size(); ++i) grad_into_master(i);
+}
+
+bool Trainer::masters_step_by_bucket() const {
+  return !master_.empty() && !dp_ && !scaler_ && config_.train.accum_steps == 1 && split_ == 1 &&
+         steps_in_parts(config_.train.optimizer);
+}
+
+torch::Tensor Trainer::bf16_grad_norm(double max_norm) {
+  // The per-tensor norms of the fp32 values, a bucket of casts at a time: the numbers clip_grad_norm gives on the
+  // fp32 gradients (the same kernel on the same values), without a whole fp32 copy.
+  torch::NoGradGuard no_grad;
+  const auto cap = static_cast<int64_t>(config_.dist.bucket_mib * 1024 * 1024);
+  std::vector<torch::Tensor> norms, bucket;
+  int64_t bytes = 0;
+  auto flush = [&] {
+    if (bucket.empty()) return;
+    for (auto& n : torch::_foreach_norm(bucket, 2)) norms.push_back(n);
+    bucket.clear(), bytes = 0;
+  };
+  for (const auto& p : params_) {
+    if (!p.grad().defined()) continue;
+    bucket.push_back(p.grad().to(torch::kFloat));
+    bytes += 4 * p.numel();
+    if (bytes >= cap) flush();
+  }
+  flush();
+  clip_coef_ = torch::Tensor();
+  if (norms.empty()) return torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat).device(device_));
+  auto total = torch::stack(norms).to(torch::kFloat).norm(2);
+  if (max_norm > 0) clip_coef_ = torch::clamp_max(max_norm / (total + 1e-6), 1.0).to(torch::kFloat);
+  return total;
+}
+
+void Trainer::step_masters_by_bucket() {
+  // Bucket by bucket (dist.bucket_mib of fp32, or one tensor above it): the fp32 gradients from the bf16 ones (each
+  // bf16 gradient freed once cast), clipped, stepped (PartialStepOptimizer: the same bits as one step()), the
+  // parameters rounded from their masters, the fp32 gradients freed. The transient is one bucket, not the model.
+  torch::NoGradGuard no_grad;
+  auto& partial = dynamic_cast<PartialStepOptimizer&>(*optimizer_);
+  const bool mark = device_.is_cpu() && cpu_memory::installed();
+  const auto cap = static_cast<int64_t>(config_.dist.bucket_mib * 1024 * 1024);
+  for (size_t i = 0; i < params_.size();) {
+    std::vector<torch::Tensor> masters, grads, params;
+    int64_t bytes = 0;
+    for (; i < params_.size() && bytes < cap; ++i) {
+      auto& g = params_[i].mutable_grad();
+      if (!g.defined()) continue;
+      auto& m = master_[i].mutable_grad();
+      m = g.to(torch::kFloat);
+      if (mark) cpu_memory::mark(m.storage().data(), cpu_memory::Kind::kGradient);
+      g.reset();
+      bytes += 4 * m.numel();
+      masters.push_back(master_[i]), grads.push_back(m), params.push_back(params_[i]);
+    }
+    if (masters.empty()) continue;
+    if (clip_coef_.defined()) torch::_foreach_mul_(grads, clip_coef_);
+    partial.step_only(masters);
+    torch::_foreach_copy_(params, masters);  // fp32 -> bf16, rounded once per step
+    for (auto& m : masters) m.mutable_grad().reset();
+  }
+}
+
+void Trainer::hook_grads_to_masters(bool on) {
+  // A gradient is complete when its accumulator has run (gradient_hooks.h): the bf16 gradient lives from its
+  // block's backward to the end of that accumulation, so at most the gradients of the block in flight are held in
+  // bf16 besides the fp32 ones (the step's whole-model bf16 copy is gone; the fp32 gradients are whole, as the
+  // optimizer steps them).
+  master_hooks_.reset();
+  if (on && !master_.empty()) master_hooks_ = std::make_unique<GradientReadyHooks>(params_, [this](size_t i) { grad_into_master(i); });
 }
 
 Batch Trainer::to_device(Batch b) const {
@@ -387,6 +453,7 @@ torch::Tensor Trainer::run_micro_batches() {
   //    out-of-memory retry each micro-batch runs in split_ pieces, weighted by their share of it.
   const auto& t = config_.train;
   auto loss_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat).device(device_));
+  grads_stay_bf16_ = masters_step_by_bucket();
   for (int64_t micro = 0; micro < t.accum_steps; ++micro) {
     auto whole = data_->train_batch(step_, micro, t.micro_batch);
     const auto inputs = split_ == 1 ? std::vector<torch::Tensor>{whole.input} : whole.input.tensor_split(split_);
@@ -421,7 +488,9 @@ void Trainer::clip_and_update(StepResult& r, const torch::Tensor& loss_sum) {
     scaler_->unscale(stepped);
     if (dp_) dp_->all_reduce_found_inf(scaler_->found_inf(), /*host_waits=*/!defer_reads_);  // every rank skips, or none
   }
-  r.grad_norm = dp_ ? dp_->clip_grad_norm(t.grad_clip, /*host_waits=*/!defer_reads_) : clip_grad_norm(stepped, t.grad_clip);
+  r.grad_norm = dp_                ? dp_->clip_grad_norm(t.grad_clip, /*host_waits=*/!defer_reads_)
+                 : grads_stay_bf16_ ? bf16_grad_norm(t.grad_clip)
+                                    : clip_grad_norm(stepped, t.grad_clip);
   if (defer_reads_) return update_deciding_on_device(r, loss_sum);
   // Without fp16's scaler, an inf/NaN is found here (one host read per step): the update is skipped.
   // Several ranks decide on the global norm, which every rank holds, so they skip together.
@@ -450,12 +519,14 @@ void Trainer::clip_and_update(StepResult& r, const torch::Tensor& loss_sum) {
     if (partial) {
       dp_->after_optimizer_step([partial](const std::vector<torch::Tensor>& stepped) { partial->step_only(stepped); });
       updated_in_place = true;
+    } else if (grads_stay_bf16_) {
+      step_masters_by_bucket();  // the parameters rounded bucket by bucket too
     } else {
       optimizer_->step();
     }
   }
   in_optimizer_ = false;
-  if (r.applied && !master_.empty()) {
+  if (r.applied && !master_.empty() && !grads_stay_bf16_) {
     torch::NoGradGuard no_grad;
     torch::_foreach_copy_(params_, master_);  // fp32 -> bf16, rounded once per step
   }
@@ -490,11 +561,12 @@ void Trainer::update_deciding_on_device(StepResult& r, const torch::Tensor& loss
   auto& fused = static_cast<FusedAdamW&>(*optimizer_);  // setup checked that it is one
   fused.skip_when(found);
   in_optimizer_ = true;
-  optimizer_->step();
+  if (grads_stay_bf16_) step_masters_by_bucket();
+  else optimizer_->step();
   in_optimizer_ = false;
   fused.skip_when({});
   if (scaler_) scaler_->update();
-  if (!master_.empty()) {
+  if (!master_.empty() && !grads_stay_bf16_) {
     torch::NoGradGuard no_grad;
     torch::_foreach_copy_(params_, master_);  // fp32 -> bf16; unchanged masters give the same parameters
   }

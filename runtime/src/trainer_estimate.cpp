@@ -1,9 +1,5 @@
 // The Trainer's memory estimate: the probe (one forward + backward at two small micro-batches, measured
 // by the same counters the tracker reads) and the inputs of estimate_memory() from this run's parts.
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/utils/lambda_post_hook.h>
-#include <torch/csrc/autograd/variable.h>
-
 #include <cuda_runtime_api.h>
 
 #include <chrono>
@@ -21,6 +17,7 @@
 #include "memtrain/runtime/step_time.h"
 #include "memtrain/runtime/target_estimate.h"
 #include "memtrain/runtime/trainer.h"
+#include "gradient_hooks.h"
 
 namespace memtrain {
 
@@ -30,25 +27,12 @@ namespace {
 // probe then measures activations and temporaries only (several ranks keep gradients in buckets).
 class DropGradients {
  public:
-  explicit DropGradients(const std::vector<torch::Tensor>& params) {
-    for (const auto& p : params) {
-      auto acc = torch::autograd::impl::grad_accumulator(p);
-      auto key = acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-          [p](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) mutable {
-            p.mutable_grad().reset();
-            return outputs;
-          }));
-      hooks_.emplace_back(acc, key);
-    }
-  }
-  ~DropGradients() {
-    for (auto& [acc, key] : hooks_) acc->del_post_hook(key);
-  }
-  DropGradients(const DropGradients&) = delete;
-  DropGradients& operator=(const DropGradients&) = delete;
+  explicit DropGradients(std::vector<torch::Tensor> params)
+      : params_(std::move(params)), hooks_(params_, [this](size_t i) { params_[i].mutable_grad().reset(); }) {}
 
  private:
-  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
+  std::vector<torch::Tensor> params_;
+  GradientReadyHooks hooks_;
 };
 
 // Two points on the line bytes(m): half and a quarter of the configured micro-batch (1 and the batch when it
@@ -80,15 +64,17 @@ int64_t Trainer::probe_activations(int64_t micro_batch, bool keep_grads, double*
     for (auto& m : master_) m.mutable_grad().reset();
   };
   clear_grads();
+  std::optional<DropGradients> drop;
   struct Restore {
     std::function<void()> f;
     ~Restore() { f(); }
   } restore{[&] {
+    drop.reset();
+    hook_grads_to_masters(true);
     clear_grads();
     saved.restore(*model_);
   }};
-  std::optional<DropGradients> drop;
-  if (!keep_grads) drop.emplace(params_);
+  if (!keep_grads) hook_grads_to_masters(false), drop.emplace(params_);
   if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
   reset_peak(measured);
   const int64_t start = read_counters(measured).allocated;
@@ -97,8 +83,10 @@ int64_t Trainer::probe_activations(int64_t micro_batch, bool keep_grads, double*
     // As a step: the batch arrives after the step's start, the loss is scaled by 1 / accum_steps.
     auto batch = to_device(data_->train_batch(0, 0, micro_batch));
     auto loss = forward_loss(batch) / static_cast<double>(config_.train.accum_steps);
+    grads_stay_bf16_ = keep_grads && masters_step_by_bucket();  // as the step keeps them
     loss.backward();
     if (keep_grads) move_grads_to_masters();
+    grads_stay_bf16_ = false;
   }
   if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
   if (ms) *ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count();

@@ -78,6 +78,7 @@ void Trainer::setup() {
   setup_lora_and_freeze();                // 0. LoRA's adapters (and their init_from); which parameters train
   setup_device();                         // 1. device, threads, allocator settings, precision
   auto masters = setup_parameters();      // 2. trainable parameters; bf16 ones with fp32 masters
+  hook_grads_to_masters(true);            //    (one process: each gradient into its master as it completes)
   setup_units();                          // 3. ZeRO-3's unit of each parameter (and the estimate's)
   setup_group();                          // 4. several ranks: the rendezvous and process group
   const bool sharded = setup_plan(masters);  // 5. memory.budget_mib's plan; whether the optimizer is sharded
@@ -236,7 +237,10 @@ bool Trainer::setup_plan(torch::OrderedDict<std::string, torch::Tensor>& masters
   }
   plan_to_budget();
   dims_ = ParallelDims::of(config_.dist, world_.world_size);
-  if (dims_.sharded()) master_.clear(), masters.clear();  // one process, offload chosen: DataParallel keeps them
+  if (dims_.sharded()) {  // one process, offload chosen: DataParallel keeps them
+    hook_grads_to_masters(false);
+    master_.clear(), masters.clear();
+  }
   return dims_.sharded();
 }
 

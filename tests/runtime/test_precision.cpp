@@ -167,12 +167,70 @@ TEST(MasterWeights, Bf16ParametersWithFp32Masters) {
     // The model holds the masters rounded to bf16, exactly.
     EXPECT_TRUE(torch::equal(bf.parameters()[i], bf.master_weights()[i].to(torch::kBFloat16)));
   }
-  // Bytes: bf16 parameters 2N; the optimizer holds masters 4N, their gradients 4N and AdamW 8N;
-  // the model's bf16 gradients are freed once moved into the masters'.
+  // Bytes at the step's end: bf16 parameters 2N; the optimizer holds masters 4N and AdamW 8N. One micro-batch per
+  // step: each bucket's fp32 gradients are freed once stepped, and the bf16 ones once cast.
   const auto& s = bf.tracker().last()[0];
   EXPECT_EQ(s.resident.params, 2 * n);
   EXPECT_EQ(s.resident.grads, 0);
-  EXPECT_EQ(s.resident.optimizer_state, 16 * n);
+  EXPECT_EQ(s.resident.optimizer_state, 12 * n);
+}
+
+TEST(MasterWeights, TheStepNeverHoldsTheGradientsInBothDtypes) {
+  // bf16 parameters, fp32 masters, one process. The step used to cast every bf16 gradient to fp32 before freeing
+  // any: 2N + 4N gradient bytes at once. Now, with one micro-batch per step (an element-wise AdamW), the gradients
+  // stay bf16 and the masters step a bucket at a time: at most 2N + one bucket's fp32 (dist.bucket_mib, or one
+  // tensor above it). With accumulation each gradient goes into its master's fp32 as autograd completes it: at most
+  // 4N + the bf16 gradients in flight (a block's, and the tied embedding's, held from the head to the embedding).
+  auto c = test::tiny_gpt_config(/*layers=*/4);
+  c.model.n_embd = 64;
+  c.model.block_size = 8;
+  c.train.micro_batch = 1;
+  c.train.param_dtype = "bf16";
+  c.train.grad_clip = 1.0;
+  c.dist.bucket_mib = 0.05;  // about 13k fp32 elements: a fraction of a block
+  for (int64_t accum : {1, 2}) {
+    SCOPED_TRACE("accum_steps " + std::to_string(accum));
+    c.train.accum_steps = accum;
+    Trainer t(c);
+    for (int i = 0; i < 3; ++i) t.step();
+    const int64_t n = t.model().num_parameters();
+    int64_t largest = 0, root = 0, block = 0;
+    for (const auto& p : t.parameters()) largest = std::max(largest, p.numel());
+    for (const auto& p : t.model().block_parameters(0)) block += p.numel();
+    root = n - c.model.n_layer * block;
+    const auto& s = t.tracker().last()[0];
+    ASSERT_TRUE(s.at_peak.known);
+    const int64_t bucket = static_cast<int64_t>(c.dist.bucket_mib * 1024 * 1024) / 4;
+    const int64_t bound = accum == 1 ? 2 * n + 4 * (bucket + largest) : 4 * n + 2 * (root + block);
+    std::cout << "accum_steps " << accum << ": gradient bytes at the step's peak " << s.at_peak.grads << ", bound " << bound
+              << ", both dtypes whole 6N = " << 6 * n << "\n";
+    EXPECT_LE(s.at_peak.grads, bound) << "N = " << n << ": the whole model's gradients in bf16 and fp32 are " << 6 * n;
+    EXPECT_LT(bound, 6 * n);  // the bound can tell the two apart
+  }
+}
+
+TEST(MasterWeights, StepsByBucketGiveTheBitsOfOneStep) {
+  // The masters stepped bucket by bucket from bf16 gradients, clipped by the global norm of their fp32 values: the
+  // same bits with buckets of a fraction of a tensor's size as with one bucket holding the whole model.
+  auto c = test::tiny_gpt_config(/*layers=*/2);
+  c.train.param_dtype = "bf16";
+  c.train.grad_clip = 0.05;  // clips every step
+  auto run = [&](double bucket_mib) {
+    c.dist.bucket_mib = bucket_mib;
+    Trainer t(c);
+    std::vector<double> norms;
+    for (int i = 0; i < 3; ++i) norms.push_back(t.step().grad_norm.item<double>());
+    std::vector<torch::Tensor> out;
+    for (const auto& m : t.master_weights()) out.push_back(m.detach().clone());
+    for (const auto& p : t.parameters()) out.push_back(p.detach().clone());
+    return std::make_pair(norms, out);
+  };
+  const auto [norms_whole, whole] = run(1000);
+  const auto [norms_small, small] = run(0.001);
+  EXPECT_EQ(norms_whole, norms_small);
+  EXPECT_GT(norms_whole.front(), c.train.grad_clip);
+  ASSERT_EQ(whole.size(), small.size());
+  for (size_t i = 0; i < whole.size(); ++i) EXPECT_TRUE(torch::equal(whole[i], small[i])) << "tensor " << i;
 }
 
 TEST(MasterWeights, BatchNormStaysFp32WithBf16Parameters) {

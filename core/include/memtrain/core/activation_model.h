@@ -55,6 +55,10 @@ struct ActivationSettings {
   int64_t micro_batch = 1;
   bool autocast = false;       // train.precision = bf16 | fp16: linears and attention in 16 bits, parameters fp32
   bool half_params = false;    // train.param_dtype = bf16: everything in 16 bits, fp32 masters
+  // With half_params in one process: the gradients stay bf16 and the masters step bucket by bucket (one micro-batch
+  // per step, an element-wise optimizer); otherwise each gradient goes into its fp32 master's as it completes.
+  bool masters_by_bucket = false;
+  int64_t bucket_elements = 0;  // dist.bucket_mib in fp32 elements (masters_by_bucket's transient)
   RecomputePolicy policy{};    // memory.recompute (a budget resolved to its blocks)
   int64_t head_rows = -1;      // memory.head: -1 plain, 0 fused with automatic chunks, > 0 fused with these rows
   bool keep_grads = true;      // one process: each gradient stays from its birth in backward (several ranks

@@ -68,6 +68,9 @@ struct TrainableSelection {
 TrainableSelection select_trainable(Model& model, const Config& config);
 // train.optimizer (choices::optimizer) and its hyper-parameters.
 OptimizerOptions optimizer_options(const TrainOptions& train);
+// Whether train.optimizer makes a PartialStepOptimizer (element-wise: fused AdamW, 8- and 4-bit AdamW), which can
+// step some of its tensors at a time with the same bits.
+bool steps_in_parts(const std::string& optimizer);
 // adamw8bit / adamw4bit: values per absmax (train.optimizer_block, or the kind's default); 0 for the others.
 int64_t optimizer_block(const TrainOptions& train);
 // train.lr / min_lr / warmup_steps / steps: the cosine schedule.

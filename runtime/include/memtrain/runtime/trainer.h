@@ -41,6 +41,7 @@
 namespace memtrain {
 
 class TraceBlocks;  // log.trace_blocks (trainer_setup.cpp)
+class GradientReadyHooks;  // runtime/src/gradient_hooks.h
 namespace detail {
 class StepFlags;   // train.host_reads = deferred (runtime/src/step_flags.h)
 }
@@ -222,7 +223,18 @@ class Trainer {
   // sharded optimizer; `world` ranks under this config.
   bool sharded(int world) const { return ParallelDims::of(config_.dist, world).sharded(); }
   void mark_gradients() const;   // this backward's gradient blocks, for the tracker's peak breakdown (CPU)
-  void move_grads_to_masters();  // device, and floating inputs in the parameters' dtype
+  // bf16 parameters with fp32 masters (one process): params_[i]'s gradient added into (or cast to) master_[i]'s and
+  // freed. The hooks do it as each gradient completes; move_grads_to_masters takes whatever is left after a backward.
+  void grad_into_master(size_t i);
+  void move_grads_to_masters();
+  void hook_grads_to_masters(bool on);
+  // One process, bf16 parameters with masters, one micro-batch per step and an element-wise optimizer (fused or
+  // low-bit AdamW): the gradients stay bf16 through backward and the optimizer steps the masters bucket by bucket
+  // (dist.bucket_mib), each bucket's fp32 gradients cast, clipped, stepped and freed before the next. Otherwise the
+  // fp32 master gradients accumulate every micro-batch (grad_into_master).
+  bool masters_step_by_bucket() const;
+  torch::Tensor bf16_grad_norm(double max_norm);  // the global norm of the fp32 values; sets clip_coef_
+  void step_masters_by_bucket();
   void resolve_budget_policy();
   void sync_buffers();  // several ranks: floating buffers (BatchNorm statistics) from rank 0
   bool can_measure() const { return config_.memory.track && (device_.is_cuda() || cpu_memory::installed()); }
@@ -280,6 +292,11 @@ class Trainer {
   std::shared_ptr<Dataset> data_;
   std::vector<torch::Tensor> params_;
   std::vector<torch::Tensor> master_;  // param_dtype bf16: fp32 copies, same order as params_
+  // One process with masters: each bf16 gradient goes into its master's fp32 gradient as autograd completes it
+  // (and is freed), so the bf16 gradients of the whole model never coexist with the fp32 ones.
+  std::unique_ptr<GradientReadyHooks> master_hooks_;
+  bool grads_stay_bf16_ = false;  // this step: masters_step_by_bucket()
+  torch::Tensor clip_coef_;       // its clipping coefficient (fp32, on the device); undefined without train.grad_clip
   c10::ScalarType param_dtype_ = torch::kFloat;
   std::shared_ptr<ProcessGroup> group_;  // several ranks (setup step 4), or offload (a group of one, step 8)
   std::unique_ptr<DataParallel> dp_;     // several ranks, or offload
