@@ -223,14 +223,15 @@ ActivationEstimate transformer_activations(const TransformerShape& m, const Acti
     const int64_t n = std::min(t, s.head_rows > 0 ? s.head_rows : fused_head_chunk_rows(V, s.cuda));
     // logits in fp32 and logsumexp's temporary of the same size (a 16-bit matmul output is freed at the cast, before)
     const int64_t chunk = 8 * n * V;
+    const int64_t head_weight_grad = frozen ? 0 : 1;  // a frozen head's weight gets no gradient (no accumulator)
     candidate("the fused head's forward (one chunk of logits)",
               {batch, blocks, {"final norm and its output", features_fused},
-               {"fused head: gradient accumulators (fp32)", 4 * h * t + 4 * V * h},
+               {"fused head: gradient accumulators (fp32)", 4 * h * t + head_weight_grad * 4 * V * h},
                {"fused head: weight in the compute dtype", w * V * h}, {"fused head: a chunk's logits (fp32)", chunk}},
               all_tensors + 8);
     candidate("the fused head's backward",
               {batch, blocks, {"final norm", features_saved},
-               {"fused head: saved gradients and their products", 2 * (x_bytes * h * t + pb * V * h)}},
+               {"fused head: saved gradients and their products", 2 * (x_bytes * h * t + head_weight_grad * pb * V * h)}},
               all_tensors + 6);
   }
 
@@ -255,13 +256,15 @@ ActivationEstimate transformer_activations(const TransformerShape& m, const Acti
               {batch, {"blocks below: saved tensors", below},
                {"this block: saved tensors", attn_held + b.mlp.per_token * t + b.mlp.weights},
                {"gradients born so far", grads}, {"reduced gradient parts (ZeRO 2-3)", reduced},
-               {"residual gradient, recomputed output, MLP backward", 2 * r * h * t + b.grad_mlp * t}},
+               {"residual gradient, recomputed output, MLP backward", 2 * r * h * t + b.grad_mlp * t},
+               {"an NF4 weight dequantized for its product", s.nf4_dequantized_bytes}},
               below_tensors + b.attn.tensors + b.mlp.tensors + 4);
     candidate(name + ", at its attention",
               {batch, {"blocks below: saved tensors", below},
                {"this block: attention's saved tensors", b.attn.per_token * t + b.attn.weights},
                {"gradients born so far", grads}, {"reduced gradient parts (ZeRO 2-3)", reduced},
-               {"residual gradient, recomputed output, attention backward", 2 * r * h * t + b.grad_attn * t}},
+               {"residual gradient, recomputed output, attention backward", 2 * r * h * t + b.grad_attn * t},
+               {"an NF4 weight dequantized for its product", s.nf4_dequantized_bytes}},
               below_tensors + b.attn.tensors + 4);
   }
 

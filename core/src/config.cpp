@@ -307,6 +307,9 @@ std::vector<Entry> entries(Config& c) {
       entry("memory.budget_headroom", &mem.budget_headroom,
             "the share of memory.budget_mib that a planned setting's estimate must leave free, for the estimate's "
             "error (measured within 3.2% of the peak on CPU, docs/benchmarks/estimate_cpu.md): in [0, 0.5)", where<double>([](double v) { return v >= 0 && v < 0.5; }, "in [0, 0.5)")),
+      entry("memory.allow_quantized_base", &mem.allow_quantized_base,
+            "plan / estimate --target may store a LoRA model's frozen base in NF4 (lora.quantize_base = nf4, QLoRA) "
+            "when it helps a setting fit: it changes the numerics, so only when allowed, and it says so"),
       entry("memory.allow_lowbit_optimizer", &mem.allow_lowbit_optimizer,
             "the planner (memory.budget_mib) may switch train.optimizer = adamw / adamw_loop to adamw8bit, then "
             "adamw4bit, when no setting with fp32 moments fits: it changes the numerics, so only when allowed, and "
@@ -373,6 +376,9 @@ std::vector<Entry> entries(Config& c) {
       entry("lora.alpha", &lo.alpha, "the adapters' scale is alpha / rank", where<double>([](double v) { return v > 0; }, "> 0")),
       entry("lora.dropout", &lo.dropout, "dropout on the adapters' input", where<double>([](double v) { return v >= 0 && v < 1; }, "in [0, 1)")),
       entry("lora.targets", &lo.targets, "comma-separated names of the linear maps that get adapters: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (llama) | c_attn,c_proj,c_fc (gpt)"),
+      entry("lora.quantize_base", &lo.quantize_base, choices::join(choices::quantize_base) + " (nf4: QLoRA; the frozen block linears stored in 4-bit NormalFloat as torchao's NF4Tensor, about 0.52 byte per weight, dequantized to bf16 inside each product; the output head, embeddings, norms and tensors that are not whole blocks stay as they are)", one_of(choices::quantize_base)),
+      entry("lora.quantize_block", &lo.quantize_block, "nf4: values per absmax (QLoRA's 64)", where<int64_t>([](int64_t v) { return v >= 2 && v % 2 == 0; }, "an even number >= 2")),
+      entry("lora.double_quant", &lo.double_quant, "nf4: the absmaxes themselves in int8, in groups of 256 with one factor each, less their mean (QLoRA's double quantization); false: one bf16 absmax per block"),
       entry("lora.init_from", &lo.init_from, "a peft adapter folder (adapter_config.json + adapter_model.safetensors) to start the adapters from; empty = A Kaiming-uniform, B zero (the first forward is the base model's)"),
   };
 }
@@ -664,6 +670,12 @@ void Config::validate() const {
                  " needs lora.rank > 0 (the adapter folder's rank)");
   MEMTRAIN_CHECK(lora.rank == 0 || train.freeze.empty(), ConfigError, "[config] train.freeze = ", train.freeze,
                  " with lora.rank = ", lora.rank, ": LoRA freezes every parameter but its adapters already; set one of them");
+  MEMTRAIN_CHECK(lora.quantize_base == "none" || lora.rank > 0 || !train.freeze.empty(), ConfigError,
+                 "[config] lora.quantize_base = ", lora.quantize_base, " stores frozen weights in 4 bits: it needs a "
+                 "frozen base (lora.rank > 0, or train.freeze)");
+  MEMTRAIN_CHECK(lora.quantize_base == "none" || model.name == "gpt" || model.name == "llama" || model.name == "phi3",
+                 ConfigError, "[config] lora.quantize_base = ", lora.quantize_base, " needs a model built from shapes "
+                 "(gpt, llama, phi3); model.name is ", model.name);
   MEMTRAIN_CHECK(data.tokens.empty() || data.dataset == "text", ConfigError, "[config] data.tokens = ", data.tokens,
                  " needs data.dataset = text (token ids for a language model), got ", data.dataset);
   check_range("train.min_lr", train.min_lr, train.min_lr >= 0 && train.min_lr <= train.lr, "in [0, train.lr]");

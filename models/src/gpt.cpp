@@ -275,6 +275,7 @@ const ModelFamily& gpt_family() {
         if (o.bias) t.block.insert(t.block.end(), {3 * C, C, 4 * C, C});
         t.root = {o.vocab_size * C, o.block_size * C, C, C};             // tied head
         t.layers = o.n_layer;
+        t.block_linears = 4;
         return t;
       },
       .resolved = [](const ModelConfig& c, int64_t vocab) {

@@ -11,6 +11,7 @@
 #include "memtrain/core/hugging_face_config.h"
 #include "memtrain/core/safetensors.h"
 #include "memtrain/models/lora.h"
+#include "memtrain/models/nf4.h"
 
 namespace memtrain {
 
@@ -114,6 +115,7 @@ HuggingFaceWeights::HuggingFaceWeights(Model& model, const std::string& dir) : i
   // released; its shape is still the full one.)
   std::set<std::string> used;
   std::map<std::string, int64_t> rows_filled;  // fused tensors: the rows memtrain's parameters take
+  const auto nf4 = nf4_weights(model);         // NF4 weights: their values' shape, not their packed bytes
   std::set<const void*> seen;
   for (const auto& item : model.named_parameters()) {
     const auto& p = item.value();
@@ -125,7 +127,9 @@ HuggingFaceWeights::HuggingFaceWeights(Model& model, const std::string& dir) : i
     MEMTRAIN_CHECK(it != where.end(), DataError, "[weights] ", dir, ": no tensor '", hf.name, "' (memtrain's ",
                    item.key(), ", shape ", p.sizes(), ") in ", files.size() == 1 ? files[0].path : detail::concat(files.size(), " shards"));
     const auto& e = *it->second.entry;
-    auto expected = p.sizes().vec();
+    const auto packed = nf4.find(item.key());
+    auto expected = packed == nf4.end() ? p.sizes().vec() : packed->second.shape;
+    const int64_t numel = packed == nf4.end() ? p.numel() : packed->second.numel();
     if (hf.transposed) std::reverse(expected.begin(), expected.end());
     auto stored = e.shape;
     if (hf.rows > 0) {  // rows [row_begin, row_begin + rows) of the stored tensor
@@ -140,10 +144,10 @@ HuggingFaceWeights::HuggingFaceWeights(Model& model, const std::string& dir) : i
                    c10::IntArrayRef(expected), hf.rows > 0 ? detail::concat(" in rows ", hf.row_begin, "..") : std::string());
     MEMTRAIN_CHECK(c10::isFloatingType(e.dtype), DataError, "[weights] ", it->second.file->path, ": tensor '", hf.name,
                    "' is ", e.dtype, ", not a floating-point weight");
-    const int64_t row_elements = hf.rows > 0 ? p.numel() / hf.rows : 0;
+    const int64_t row_elements = hf.rows > 0 ? numel / hf.rows : 0;
     impl_->fills[item.key()] = {it->second, hf.transposed, hf.row_begin * row_elements};
     impl_->parameters.emplace_back(item.key(), p);
-    impl_->total_bytes += p.numel() * static_cast<int64_t>(c10::elementSize(e.dtype));
+    impl_->total_bytes += numel * static_cast<int64_t>(c10::elementSize(e.dtype));
     used.insert(hf.name);
   }
   // A fused tensor is taken whole by the parameters that share it.
@@ -178,8 +182,14 @@ HuggingFaceLoad load_hugging_face_weights(Model& model, const std::string& dir) 
   HuggingFaceWeights weights(model, dir);  // every check first: nothing is copied unless all pass
   torch::NoGradGuard no_grad;
   HuggingFaceLoad out;
+  const auto nf4 = nf4_weights(model);
   for (const auto& [name, p] : weights.parameters()) {  // one tensor at a time
-    p.copy_(weights.read(name, 0, p.numel()).view(p.sizes()));
+    if (auto it = nf4.find(name); it != nf4.end()) {  // an NF4 weight: quantized from its values in its dtype
+      const auto& f = it->second;
+      p.copy_(nf4_pack(weights.read(name, 0, f.numel()).view(f.shape).to(p.device(), f.dtype), f));
+    } else {
+      p.copy_(weights.read(name, 0, p.numel()).view(p.sizes()));
+    }
     ++out.tensors;
   }
   out.files = weights.files();

@@ -408,6 +408,7 @@ ModelTensors llama_tensors(const LlamaOptions& o) {
   t.root = {o.vocab_size * C, C};
   if (!o.tie_embeddings) t.root.push_back(o.vocab_size * C);
   t.layers = o.n_layer;
+  t.block_linears = 7;
   return t;
 }
 

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "memtrain/core/error.h"
+#include "memtrain/models/nf4.h"
 
 namespace memtrain {
 
@@ -82,7 +83,8 @@ int64_t freeze_matching(Model& model, const std::string& pattern) {
 
 namespace detail {
 torch::Tensor linear(const torch::Tensor& x, torch::nn::LinearImpl& m) {
-  auto y = detail::linear(x, m.weight, m.bias);
+  const auto* nf4 = nf4_format_of(m);  // a frozen weight stored in NF4: dequantized inside the product
+  auto y = nf4 ? nf4_linear(x, m.weight, *nf4, m.bias) : detail::linear(x, m.weight, m.bias);
   const auto children = m.named_children();
   const auto* settings = children.find("lora_settings");
   if (!settings) return y;

@@ -200,9 +200,14 @@ int plan_target(const memtrain::Config& config, const std::string& target_spec, 
             << config.memory.budget_headroom << " free: " << plan.fitting.size() << " of " << plan.considered
             << " settings fit (" << ms << " ms)\n";
   MEMTRAIN_CHECK(!plan.fitting.empty(), memtrain::ConfigError, "[plan] nothing fits ", world, " x ", target.name,
-                 ": lower the batch or the context, add ranks, or allow low-bit state (memory.allow_lowbit_optimizer); "
-                 "memtrain estimate --target shows each term");
+                 ": lower the batch or the context, add ranks, or allow low-bit state (memory.allow_lowbit_optimizer",
+                 config.lora.rank > 0 ? "; a LoRA base in NF4: memory.allow_quantized_base" : "",
+                 "); memtrain estimate --target shows each term");
   const auto& best = plan.fitting.front();
+  if (!best.quantize_base.empty())
+    std::cout << "lora.quantize_base = " << best.quantize_base << " (memory.allow_quantized_base = true): no setting with "
+              << "the " << config.train.param_dtype << " base fits; the frozen block linears are stored in 4-bit "
+              << "NormalFloat (QLoRA), which changes the numerics\n";
   std::cout << "  #  setting                                                     device peak   host       step ms    tokens/s\n";
   const size_t shown = std::min<size_t>(plan.fitting.size(), 12);
   for (size_t i = 0; i < shown; ++i) {

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <iostream>
 #include <sstream>
 
 #include "memtrain/core/error.h"
@@ -12,6 +13,7 @@
 #include "memtrain/models/gpt.h"
 #include "memtrain/models/hugging_face.h"
 #include "memtrain/models/lora.h"
+#include "memtrain/models/nf4.h"
 #include "memtrain/runtime/factories.h"
 
 namespace memtrain {
@@ -83,6 +85,42 @@ void copy_tokenizer_files(const ExportOptions& options, const Config& config, co
   }
 }
 
+// A checkpoint trained on an NF4 base (lora.quantize_base = nf4) holds no base weights: they are made again from their
+// source exactly as the run made them (quantized), dequantized to bf16 values, and checked against the manifest's
+// record, so the merge adds the adapters to the weights they were trained against.
+void add_nf4_base(const Config& config, const std::string& init_from, const std::string& path, const std::string& record,
+                  const std::string& embedding, std::map<std::string, torch::Tensor>& parameters) {
+  MEMTRAIN_CHECK(parameters.count(embedding), DataError, "[export] ", path, ": no parameter '", embedding, "'");
+  auto c = config;
+  c.model.init_from = init_from;  // the manifest's (the saved config is read without it)
+  c.lora.init_from.clear();       // the adapters come from the checkpoint
+  auto model = make_model(c.model, DataInfo{.vocab_size = parameters.at(embedding).size(0)},
+                          {.shapes_only = true, .dtype = torch::kFloat, .device = torch::kCPU});
+  select_trainable(*model, c);
+  const auto weights = quantize_frozen_linears(*model, nf4_options(c.lora), /*quantize_values=*/false);
+  std::unique_ptr<HuggingFaceWeights> source;
+  if (!c.model.init_from.empty()) source = std::make_unique<HuggingFaceWeights>(*model, c.model.init_from);
+  const auto& init = model_family(c.model.name).init;
+  std::map<std::string, uint64_t> digests;
+  torch::NoGradGuard no_grad;
+  for (const auto& [name, f] : weights) {
+    auto values = torch::empty({f.numel()});
+    if (source) values.copy_(source->read(name, 0, f.numel()).reshape({-1}));
+    else fill_initial(values, init(c.model, name), static_cast<uint64_t>(c.train.seed), name, 0);
+    const auto packed = nf4_pack(values.view(f.shape).to(f.dtype), f);
+    digests[name] = nf4_digest(packed);
+    parameters[name] = nf4_dequantize(packed, f).to(torch::kFloat);
+  }
+  const auto remade = nf4_base_record(digests, c.lora.quantize_block, c.lora.double_quant, nf4_source(c));
+  MEMTRAIN_CHECK(nf4_same_base(remade, record), DataError, "[export] ", path, " was trained on the quantized base '", record,
+                 "'; made again now it is '", remade, "': ", nf4_source(c), " changed since the run");
+  std::cout << "export:     merging the adapters into the dequantized NF4 base (" << weights.size()
+            << " weights, bf16 values of their 4-bit codes): the weights the adapters were trained against. The "
+               "merged model differs from the original base plus the adapters (merging into a quantized base loses "
+               "what the 4-bit codes rounded off; users report quality loss either way): compare its evaluation "
+               "before serving it, or serve the original base with the adapter folder\n";
+}
+
 }  // namespace
 
 ExportResult export_hugging_face(const ExportOptions& options) {
@@ -121,8 +159,10 @@ ExportResult export_hugging_face(const ExportOptions& options) {
     out.step = ck.meta.step;
     return out;
   }
-  if (lora.rank > 0) parameters = merge_lora(parameters, lora.alpha / static_cast<double>(lora.rank));
   const auto& embedding = model_family(config.model.name).embedding;
+  if (const auto base = ck.meta.fields.find("quantized_base"); base != ck.meta.fields.end() && !base->second.empty())
+    add_nf4_base(config, init_from, path, base->second, embedding, parameters);
+  if (lora.rank > 0) parameters = merge_lora(parameters, lora.alpha / static_cast<double>(lora.rank));
   MEMTRAIN_CHECK(!embedding.empty(), ConfigError, "[export] model.name = ", config.model.name,
                  " has no Hugging Face layout");
   MEMTRAIN_CHECK(parameters.count(embedding), DataError, "[export] ", path, ": no parameter '", embedding,

@@ -34,6 +34,12 @@ LoraOptions lora_options(const LoraConfig& l) {
   return {.rank = l.rank, .alpha = l.alpha, .dropout = l.dropout, .targets = lora_targets(l)};
 }
 
+Nf4Options nf4_options(const LoraConfig& l) { return {.block = l.quantize_block, .double_quant = l.double_quant}; }
+
+std::string nf4_source(const Config& c) {
+  return c.model.init_from.empty() ? "train.seed " + std::to_string(c.train.seed) : "model.init_from " + c.model.init_from;
+}
+
 TrainableSelection select_trainable(Model& model, const Config& c) {
   TrainableSelection out;
   if (c.lora.rank > 0) {
@@ -103,7 +109,10 @@ EstimateInputs model_state_inputs(const Config& config, int world) {
                  "over the built model's names); estimate it without --target");
   const int64_t vocab = config_vocab(config);
   // Each tensor's elements, a block's and the rest's (the root unit: embeddings, final norm, an untied head).
-  const auto [block, root, layers] = model_family(c.name).tensors(c, vocab);
+  const auto shapes = model_family(c.name).tensors(c, vocab);
+  const auto& block = shapes.block;
+  const auto& root = shapes.root;
+  const int64_t layers = shapes.layers;
   const int64_t block_all = std::accumulate(block.begin(), block.end(), int64_t{0});
   const int64_t root_all = std::accumulate(root.begin(), root.end(), int64_t{0});
   if (config.lora.rank > 0) {
@@ -118,9 +127,21 @@ EstimateInputs model_state_inputs(const Config& config, int world) {
     for (int64_t l = 0; l < layers; ++l) trained.insert(trained.end(), tensors.begin(), tensors.end());
     auto in = estimate_settings(config.train, config.dist, world, config.train.param_dtype == "bf16", trained);
     in.block_elements.assign(static_cast<size_t>(layers), adapters);
-    in.frozen_block_elements.assign(static_cast<size_t>(layers), block_all);
+    // lora.quantize_base = nf4: each block linear of whole NF4 groups counts its packed bytes (in parameter-sized
+    // elements, as the frozen parameters are counted).
+    int64_t frozen_block = block_all;
+    if (config.lora.quantize_base == "nf4") {
+      const auto nf4 = nf4_options(config.lora);
+      for (int64_t i = 0; i < shapes.block_linears; ++i) {
+        const int64_t n = block[static_cast<size_t>(i)];
+        if (!nf4_eligible(n, nf4)) continue;
+        const int64_t packed = nf4_format({n}, torch::kBFloat16, nf4).packed_bytes();
+        frozen_block += (packed + in.param_bytes - 1) / in.param_bytes - n;
+      }
+    }
+    in.frozen_block_elements.assign(static_cast<size_t>(layers), frozen_block);
     in.frozen_root_elements = root_all;
-    in.frozen_elements = layers * block_all + root_all;
+    in.frozen_elements = layers * frozen_block + root_all;
     for (const auto* list : {&block, &root})
       for (auto n : *list) in.largest_elements = std::max(in.largest_elements, n);
     return in;

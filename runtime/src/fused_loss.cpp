@@ -52,9 +52,12 @@ struct FusedLinearCrossEntropy : public torch::autograd::Function<FusedLinearCro
     AutocastGuard plain(dev, std::nullopt);  // casts are explicit below
     if (compute == torch::kHalf) chunk_rows = std::min(chunk_rows, kMaxFp16ChunkRows);
     const auto N = x.size(0), V = weight.size(0);
+    // A frozen head (LoRA, train.freeze) gets no gradient: neither its (V, C) accumulator nor its product is formed.
+    const bool weight_grad = weight.requires_grad();
     auto w = weight.to(compute);                          // (V, C)
     auto grad_x = torch::empty(x.sizes(), x.options().dtype(torch::kFloat));  // (N, C) fp32
-    auto grad_w = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat));  // (V, C) fp32 accumulator
+    torch::Tensor grad_w;                                 // (V, C) fp32 accumulator, when the head trains
+    if (weight_grad) grad_w = torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat));
     auto loss = torch::zeros({}, x.options().dtype(torch::kFloat));
     for (int64_t s = 0; s < N; s += chunk_rows) {
       const auto e = std::min(N, s + chunk_rows);
@@ -70,14 +73,15 @@ struct FusedLinearCrossEntropy : public torch::autograd::Function<FusedLinearCro
       d.scatter_add_(1, tc, torch::full_like(tc, -1.0, d.options()));
       auto dc = d.to(compute);
       grad_x.slice(0, s, e).copy_(torch::matmul(dc, w));            // (n, V) @ (V, C), into fp32
-      grad_w.add_(torch::matmul(dc.t(), xc));                        // (V, n) @ (n, C), accumulated in fp32
+      if (weight_grad) grad_w.add_(torch::matmul(dc.t(), xc));       // (V, n) @ (n, C), accumulated in fp32
     }
     (void)V;
     const double inv_n = 1.0 / static_cast<double>(N);
-    auto saved_x = grad_x.mul_(inv_n).to(x.scalar_type()), saved_w = grad_w.mul_(inv_n).to(weight.scalar_type());
+    auto saved_x = grad_x.mul_(inv_n).to(x.scalar_type());
+    auto saved_w = weight_grad ? grad_w.mul_(inv_n).to(weight.scalar_type()) : torch::Tensor();
     if (saved_x.is_cpu()) {  // the tracker tells these apart from activations at the peak
       cpu_memory::mark(saved_x.storage().data(), cpu_memory::Kind::kHeadSaved);
-      cpu_memory::mark(saved_w.storage().data(), cpu_memory::Kind::kHeadSaved);
+      if (weight_grad) cpu_memory::mark(saved_w.storage().data(), cpu_memory::Kind::kHeadSaved);
     }
     ctx->save_for_backward({saved_x, saved_w});
     return {loss / static_cast<double>(N)};
@@ -87,7 +91,8 @@ struct FusedLinearCrossEntropy : public torch::autograd::Function<FusedLinearCro
                                                  torch::autograd::variable_list grad_out) {
     auto saved = ctx->get_saved_variables();
     auto g = grad_out[0];
-    return {saved[0] * g.to(saved[0].dtype()), saved[1] * g.to(saved[1].dtype()), torch::Tensor(), torch::Tensor()};
+    auto grad_w = saved[1].defined() ? saved[1] * g.to(saved[1].dtype()) : torch::Tensor();
+    return {saved[0] * g.to(saved[0].dtype()), grad_w, torch::Tensor(), torch::Tensor()};
   }
 };
 

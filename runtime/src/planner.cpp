@@ -20,6 +20,7 @@ std::string PlanCandidate::describe() const {
     << ", stage " << stage;
   if (offload) o << " + offload";
   if (!optimizer.empty()) o << ", train.optimizer " << optimizer;
+  if (!quantize_base.empty()) o << ", lora.quantize_base " << quantize_base;
   return o.str();
 }
 
@@ -28,6 +29,7 @@ void PlanCandidate::apply_to(Config& config) const {
   config.memory.recompute = recompute, config.memory.head = head;
   config.dist.zero_stage = stage, config.dist.offload_optimizer = offload ? "cpu" : "none";
   if (!optimizer.empty()) config.train.optimizer = optimizer;
+  if (!quantize_base.empty()) config.lora.quantize_base = quantize_base;
 }
 
 double recompute_fraction(const std::string& policy) {

@@ -60,6 +60,17 @@ ActivationSettings activation_settings(const Config& config, bool cuda, bool kee
   s.cuda = cuda;
   if (config.lora.rank > 0)
     s.lora = {.rank = config.lora.rank, .dropout = config.lora.dropout, .targets = lora_targets(config.lora)};
+  if (config.lora.quantize_base == "nf4" && has_closed_form(config.model)) {
+    // The largest NF4 weight dequantized: bf16 values (on CUDA with the int32 indices they are gathered by: 6 bytes
+    // per value at once), and their fp32 copy for an fp32 input without autocast.
+    const auto shapes = model_family(config.model.name).tensors(config.model, config_vocab(config));
+    int64_t largest = 0;
+    for (int64_t i = 0; i < shapes.block_linears; ++i)
+      if (nf4_eligible(shapes.block[static_cast<size_t>(i)], nf4_options(config.lora)))
+        largest = std::max(largest, shapes.block[static_cast<size_t>(i)]);
+    const int64_t fp32_copy = s.autocast || s.half_params ? 0 : 4;
+    s.nf4_dequantized_bytes = largest * std::max<int64_t>(cuda ? 6 : 2, 2 + fp32_copy);
+  }
   return s;
 }
 
@@ -126,6 +137,7 @@ std::vector<std::string> TargetPlan::overrides(const PlanCandidate& c) const {
                                 "--memory.head=" + c.head, "--dist.zero_stage=" + std::to_string(c.stage),
                                 std::string("--dist.offload_optimizer=") + (c.offload ? "cpu" : "none")};
   if (!c.optimizer.empty()) o.push_back("--train.optimizer=" + c.optimizer);
+  if (!c.quantize_base.empty()) o.push_back("--lora.quantize_base=" + c.quantize_base);
   return o;
 }
 
@@ -147,9 +159,16 @@ TargetPlan plan_for_target(const Config& config, const Target& target, int world
   std::vector<std::string> optimizers = {""};
   if (config.memory.allow_lowbit_optimizer && (t.optimizer == "adamw" || t.optimizer == "adamw_loop"))
     optimizers = {"", "adamw8bit", "adamw4bit"};
+  // memory.allow_quantized_base: a LoRA base stored in NF4 (QLoRA), after every level of the configured base.
+  std::vector<std::string> bases = {""};
+  if (config.memory.allow_quantized_base && config.lora.rank > 0 && config.lora.quantize_base == "none") bases.push_back("nf4");
+  std::vector<std::pair<std::string, size_t>> levels;  // (base, optimizer), fewer bits later
+  for (const auto& b : bases)
+    for (size_t o = 0; o < optimizers.size(); ++o) levels.emplace_back(b, o);
   const auto usable = static_cast<int64_t>(static_cast<double>(target.bytes) * (1 - config.memory.budget_headroom));
   std::vector<PlanCandidate> fitting;
-  for (size_t o = 0; o < optimizers.size(); ++o) {
+  for (size_t level = 0; level < levels.size(); ++level) {
+    const auto& [base, o] = levels[level];
     for (auto mb : micro)
       for (const auto& policy : policies)
         for (const auto& head : heads)
@@ -158,7 +177,7 @@ TargetPlan plan_for_target(const Config& config, const Target& target, int world
               if (offload && stage == 0 && world > 1) continue;
               PlanCandidate c{.micro_batch = mb, .accum_steps = global / mb, .recompute = policy, .head = head,
                               .stage = offload && world == 1 ? 1 : stage, .offload = offload, .optimizer = optimizers[o],
-                              .lowbit_rank = static_cast<int>(o), .estimate = {}};
+                              .lowbit_rank = static_cast<int>(level), .quantize_base = base, .estimate = {}};
               auto v = config;
               c.apply_to(v);
               const auto e = estimate_for_target(v, target, world);

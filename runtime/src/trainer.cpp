@@ -170,7 +170,10 @@ void Trainer::fill_whole() {
     if (master || !direct) p.copy_(v);
   };
   for (size_t i = 0; i < params_.size(); ++i) fill(params_[i], param_names_[i], master_.empty() ? nullptr : &master_[i]);
-  for (size_t i = 0; i < frozen_.size(); ++i) fill(frozen_[i], frozen_names_[i], nullptr);
+  for (size_t i = 0; i < frozen_.size(); ++i) {
+    if (nf4_.count(frozen_names_[i])) frozen_[i].copy_(nf4_initial(values, frozen_names_[i], frozen_[i].device()));
+    else fill(frozen_[i], frozen_names_[i], nullptr);
+  }
   random_drawn_ += values.drawn();
   if (values.weights() && world_.is_main())
     std::cout << "init_from:  " << config_.model.init_from << ": " << values.weights()->parameters().size() << " tensors, "
@@ -198,8 +201,33 @@ void Trainer::fill_held() {
         seg.stepped.copy_(values(seg.name, seg.begin, seg.end));
     }
     dp_->parameters_from_stepped();
-    if (fills_shards_)
-      for (const auto& seg : dp_->frozen_segments()) seg.stepped.copy_(values(seg.name, seg.begin, seg.end));
+    if (fills_shards_) {
+      // An NF4 weight's part is bytes of its packed tensor: the whole weight is quantized here (one at a time, its
+      // bf16 values on the host), its part kept. Every rank records the digest of each weight it holds a part of;
+      // the maximum over ranks gives every rank all of them (the manifest's record of the base).
+      std::string packed_name;
+      torch::Tensor packed;
+      for (const auto& seg : dp_->frozen_segments()) {
+        if (!nf4_.count(seg.name)) {
+          seg.stepped.copy_(values(seg.name, seg.begin, seg.end));
+          continue;
+        }
+        if (packed_name != seg.name) packed = nf4_initial(values, seg.name, seg.stepped.device()), packed_name = seg.name;
+        seg.stepped.copy_(packed.slice(0, seg.begin, seg.end));
+      }
+      if (!nf4_.empty()) {
+        std::vector<int64_t> known;
+        for (const auto& [name, f] : nf4_) {
+          auto it = nf4_digests_.find(name);
+          known.push_back(it == nf4_digests_.end() ? 0 : static_cast<int64_t>(it->second));
+        }
+        auto all = torch::tensor(known, torch::TensorOptions().dtype(torch::kLong).device(device_));
+        dp_->group_all_reduce_max(all);
+        all = all.to(torch::kCPU);
+        size_t k = 0;
+        for (const auto& [name, f] : nf4_) nf4_digests_[name] = static_cast<uint64_t>(all[static_cast<int64_t>(k++)].item<int64_t>());
+      }
+    }
   }
   random_drawn_ += values.drawn();
   const int64_t added = cpu_memory::peak() - resident;
@@ -210,6 +238,20 @@ void Trainer::fill_held() {
               << " (its shard), host +" << format_bytes(added) << " at most during the load (" << added << " bytes; read "
               << weights->bytes_read() << " of " << weights->total_bytes() << "), in "
               << std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count() << " s\n" << std::flush;
+}
+
+torch::Tensor Trainer::nf4_initial(InitialValues& values, const std::string& name, const c10::Device& device) {
+  const auto& f = nf4_.at(name);
+  // fp32 values on the host -> the format's dtype (bf16) on the device -> NF4, as torchao's to_nf4 of the bf16 weight.
+  auto packed = nf4_pack(values(name, 0, f.numel()).view(f.shape).to(device, f.dtype), f);
+  nf4_digests_[name] = nf4_digest(packed);
+  return packed;
+}
+
+std::string Trainer::nf4_record() const {
+  if (nf4_.empty()) return "";
+  const auto& l = config_.lora;
+  return nf4_base_record(nf4_digests_, l.quantize_block, l.double_quant, nf4_source(config_));
 }
 
 Trainer::Trainer(const Config& config, std::shared_ptr<Model> model, std::shared_ptr<Dataset> data, const World& world)

@@ -416,11 +416,16 @@ EstimateInputs Trainer::estimate_inputs(int world, const std::string& optimizer)
     (units_[i] < 0 ? in.root_elements : in.block_elements[static_cast<size_t>(units_[i])]) += params_[i].numel();
   in.frozen_block_elements.assign(in.block_elements.size(), 0);
   for (size_t i = 0; i < frozen_.size(); ++i) {
-    in.frozen_elements += frozen_[i].numel();
-    in.largest_elements = std::max(in.largest_elements, frozen_[i].numel());
+    // What does not train counts by its bytes, in parameter-sized elements: an NF4 weight's packed bytes (0.5 byte
+    // per value and its scales), whose setup transient is its values (the fill quantizes one whole weight at a time).
+    const auto nf4 = nf4_.find(frozen_names_[i]);
+    const int64_t bytes = frozen_[i].numel() * static_cast<int64_t>(frozen_[i].element_size());
+    const int64_t elements = (bytes + in.param_bytes - 1) / in.param_bytes;
+    in.frozen_elements += elements;
+    in.largest_elements = std::max(in.largest_elements, nf4 == nf4_.end() ? frozen_[i].numel() : nf4->second.numel());
     const auto u = i < frozen_units_.size() ? frozen_units_[i] : -1;
     (u < 0 || static_cast<size_t>(u) >= in.frozen_block_elements.size() ? in.frozen_root_elements
-                                                                         : in.frozen_block_elements[static_cast<size_t>(u)]) += frozen_[i].numel();
+                                                                         : in.frozen_block_elements[static_cast<size_t>(u)]) += elements;
   }
   in.data_bytes = data_->resident_bytes();
   in.cuda = device_.is_cuda();

@@ -117,6 +117,18 @@ void Trainer::setup_device() {
 void Trainer::setup_lora_and_freeze() {
   const auto& l = config_.lora;
   const auto chosen = select_trainable(*model_, config_);
+  if (l.quantize_base == "nf4") {
+    // QLoRA: what stays frozen in the blocks' linear maps is stored in NF4. Built from shapes, the packed tensors have
+    // no memory yet: the fill quantizes each weight from its values (one whole weight at a time on the host).
+    for (auto& [name, f] : quantize_frozen_linears(*model_, nf4_options(l), /*quantize_values=*/!from_shapes_))
+      nf4_.emplace(name, f);
+    MEMTRAIN_CHECK(!nf4_.empty(), ConfigError, "[config] lora.quantize_base = nf4: no frozen linear weight of this model is "
+                   "whole blocks of ", l.quantize_block, l.double_quant ? " values in groups of 256 blocks" : " values",
+                   " (nothing to quantize)");
+    if (!from_shapes_)
+      for (const auto& item : model_->named_parameters())
+        if (nf4_.count(item.key())) nf4_digests_[item.key()] = nf4_digest(item.value());
+  }
   if (from_shapes_ && !l.init_from.empty())  // lora.init_from's adapters: the fill copies them (it gives every value)
     for (const auto& item : model_->named_parameters())
       if (is_lora_parameter(item.key()))
@@ -129,6 +141,14 @@ void Trainer::setup_lora_and_freeze() {
   else if (!config_.train.freeze.empty())
     std::cout << "freeze:     " << chosen.frozen << " of " << model_->named_parameters().size() << " parameters match '"
               << config_.train.freeze << "' and do not train\n";
+  if (!nf4_.empty()) {
+    int64_t values = 0, packed = 0;
+    for (const auto& [name, f] : nf4_) values += f.numel(), packed += f.packed_bytes();
+    std::cout << "nf4:        " << nf4_.size() << " frozen linear weights (" << values << " values) stored in 4-bit "
+              << "NormalFloat, block " << l.quantize_block << (l.double_quant ? ", double-quantized absmaxes" : "") << ": "
+              << format_bytes(packed) << " (" << packed << " bytes; " << format_bytes(2 * values) << " in bf16); "
+              << "the output head, embeddings, norms and other tensors stay as they are\n";
+  }
 }
 
 torch::OrderedDict<std::string, torch::Tensor> Trainer::setup_parameters() {
@@ -167,7 +187,9 @@ torch::OrderedDict<std::string, torch::Tensor> Trainer::parameters_from_shapes()
   torch::NoGradGuard no_grad;
   for (auto* list : {&params_, &frozen_})
     for (auto& p : *list)
-      if (!has_no_memory(p) || p.scalar_type() != dtype || p.device() != device_) p.set_data(shapes_only_tensor(p.sizes(), none));
+      if (p.scalar_type() != torch::kByte &&  // an NF4 weight's packed bytes (uint8) keep their dtype
+          (!has_no_memory(p) || p.scalar_type() != dtype || p.device() != device_))
+        p.set_data(shapes_only_tensor(p.sizes(), none));
   torch::OrderedDict<std::string, torch::Tensor> masters;
   // ZeRO-3 on several ranks: DataParallel gives memory to the parts. A plan for memory.budget_mib on several ranks
   // chooses the stage in step 5 without running the model (the time model ranks, no probe): the parameters wait

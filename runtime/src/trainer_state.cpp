@@ -83,12 +83,16 @@ std::vector<ShardPiece> Trainer::state_pieces() const {
   if (frozen_sharded()) {  // ZeRO-3: each rank its part of what does not train
     std::map<std::string, std::vector<int64_t>> shapes;
     for (const auto& slot : dp_->frozen_index()) shapes[slot.name] = slot.shape;
-    for (const auto& seg : dp_->frozen_segments()) add("frozen/" + seg.name, seg.stepped, shapes.at(seg.name), seg.begin, seg.end);
+    for (const auto& seg : dp_->frozen_segments())
+      if (!nf4_.count(seg.name)) add("frozen/" + seg.name, seg.stepped, shapes.at(seg.name), seg.begin, seg.end);
   }
+  // An NF4 base is not saved: it is made again from its source (model.init_from, or the seed), and the manifest's
+  // quantized_base records which, with a digest of its bytes.
   if (world_.is_main()) {
     if (!frozen_sharded())
       for (size_t i = 0; i < frozen_.size(); ++i)  // what does not train: whole, once
-        add("frozen/" + frozen_names_[i], frozen_[i], frozen_[i].sizes().vec(), 0, frozen_[i].numel());
+        if (!nf4_.count(frozen_names_[i]))
+          add("frozen/" + frozen_names_[i], frozen_[i], frozen_[i].sizes().vec(), 0, frozen_[i].numel());
     for (const auto& item : model_->named_buffers())
       add("buffer/" + item.key(), item.value(), item.value().sizes().vec(), 0, item.value().numel());
     if (scaler_) {
@@ -150,6 +154,7 @@ std::string Trainer::save_checkpoint() {
                      {"precision", config_.train.precision},
                      {"micro_batch_split", std::to_string(split_)},
                      {"nonfinite_run", std::to_string(nonfinite_run_)}};
+      if (!nf4_.empty()) meta.fields["quantized_base"] = nf4_record();
       if (policy_.mode == RecomputePolicy::Mode::kBudget && !policy_.blocks.empty())
         meta.fields["recompute_plan"] = plan_text(policy_.blocks);
       folder = commit_checkpoint(ckpt_dir_, meta, files, config_.checkpoint.keep);
@@ -192,8 +197,16 @@ std::set<std::string> Trainer::check_checkpoint(const std::string& path, const L
     return it->second;
   };
   for (const auto& [name, p] : params) expect("model/" + name, p, "parameter");
+  // An NF4 base is made again, not loaded: the checkpoint's record of it must be this run's.
+  const auto saved_base = field("quantized_base"), base = nf4_record();
+  MEMTRAIN_CHECK(saved_base.empty() == base.empty() && (base.empty() || nf4_same_base(saved_base, base)), DataError, "[checkpoint] ", path, " was trained on ",
+                 saved_base.empty() ? std::string("a base that was not quantized") : "the quantized base '" + saved_base + "'",
+                 "; this run's base is ", base.empty() ? std::string("not quantized (lora.quantize_base = none)") : "'" + base + "'",
+                 base.empty() || saved_base.empty() ? std::string(": the adapters were fitted to other weights")
+                                                    : ": model.init_from's weights (or the NF4 settings) changed since");
   std::map<std::string, torch::Tensor> frozen;
-  for (size_t i = 0; i < frozen_.size(); ++i) frozen[frozen_names_[i]] = frozen_[i];
+  for (size_t i = 0; i < frozen_.size(); ++i)
+    if (!nf4_.count(frozen_names_[i])) frozen[frozen_names_[i]] = frozen_[i];
   for (const auto& [name, p] : frozen) expect("frozen/" + name, p, "frozen parameter");
   for (const auto& [name, b] : buffers) expect("buffer/" + name, b, "buffer");
   std::set<std::string> stepped_names;  // parameters that have optimizer state in the checkpoint
@@ -278,9 +291,10 @@ void Trainer::load_checkpoint(const std::string& path) {
   for (auto& [name, b] : buffers) b.copy_(T.at("buffer/" + name));
   if (frozen_sharded()) {
     for (const auto& seg : dp_->frozen_segments())
-      seg.stepped.copy_(T.at("frozen/" + seg.name).reshape({-1}).slice(0, seg.begin, seg.end));
+      if (!nf4_.count(seg.name)) seg.stepped.copy_(T.at("frozen/" + seg.name).reshape({-1}).slice(0, seg.begin, seg.end));
   } else {
-    for (size_t i = 0; i < frozen_.size(); ++i) frozen_[i].copy_(T.at("frozen/" + frozen_names_[i]));
+    for (size_t i = 0; i < frozen_.size(); ++i)
+      if (!nf4_.count(frozen_names_[i])) frozen_[i].copy_(T.at("frozen/" + frozen_names_[i]));
   }
   if (scaler_ && T.count("scaler/scale") && T.count("scaler/growth_tracker"))
     scaler_->load_state(T.at("scaler/scale"), T.at("scaler/growth_tracker"));

@@ -22,6 +22,7 @@ def main():
     ap.add_argument("--checkpoint", action="store_true")
     ap.add_argument("--lora_rank", type=int, default=0)       # peft LoRA on --lora_targets, the base frozen
     ap.add_argument("--lora_targets", default="q_proj,v_proj")
+    ap.add_argument("--qlora", action="store_true")  # the frozen block linears in torchao's NF4 (whole groups only)
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -38,6 +39,9 @@ def main():
         model = get_peft_model(model, LoraConfig(r=a.lora_rank, lora_alpha=2 * a.lora_rank, lora_dropout=0.0,
                                                  target_modules=a.lora_targets.split(","), task_type="CAUSAL_LM"))
         model.train()
+    base_bytes = 0
+    if a.qlora:
+        base_bytes = quantize_base(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in trainable if p.dim() >= 2]
     no_decay = [p for p in trainable if p.dim() < 2]
@@ -62,7 +66,41 @@ def main():
     grads = sum(p.grad.numel() * p.grad.element_size() for p in trainable if p.grad is not None)
     print(json.dumps({"ms_per_step": 1000 * statistics.median(times), "optimizer_state_bytes": state, "grad_bytes": grads,
                       "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                      "parameters": sum(p.numel() for p in model.parameters())}))
+                      "parameters": sum(p.numel() for p in model.parameters()), "nf4_bytes": base_bytes}))
+
+
+def quantize_base(model):
+    """QLoRA as torchtune builds it: every frozen nn.Linear of the blocks whose weight is whole NF4 groups (64 x 256
+    values) becomes torchao's NF4Tensor of its bf16 values, run through linear_nf4. torchao is imported only now:
+    peft, imported before, would otherwise find it and import names torchao 0.18 no longer has."""
+    import os, sys
+    sys.path.insert(0, os.environ.get("MEMTRAIN_TORCHAO", os.path.join(os.path.dirname(sys.prefix), "torchao0.18.0")))
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4, to_nf4
+
+    class FrozenNF4Linear(torch.nn.Module):
+        def __init__(self, linear):
+            super().__init__()
+            self.weight = to_nf4(linear.weight.detach().to(torch.bfloat16))
+            self.bias = linear.bias
+
+        def forward(self, x):
+            y = linear_nf4(x, self.weight)
+            return y if self.bias is None else y + self.bias
+
+    packed = 0
+    for path, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear) or path.endswith("lm_head") or module.weight.requires_grad:
+            continue
+        if module.weight.numel() % (64 * 256):
+            continue
+        parent, leaf = model.get_submodule(path.rsplit(".", 1)[0]), path.rsplit(".", 1)[1]
+        q = FrozenNF4Linear(module)
+        setattr(parent, leaf, q)
+        w = q.weight
+        packed += sum(t.numel() * t.element_size() for t in (w.quantized_data, w.quantized_scalers,
+                                                           w.quantization_factor, w.scaler_mean))
+    return packed
 
 
 if __name__ == "__main__":

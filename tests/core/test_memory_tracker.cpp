@@ -99,6 +99,29 @@ TEST(MemoryTracker, AGptPeakIsTakenApartIntoGradientsTheFusedHeadAndActivations)
   }
 }
 
+// LoRA freezes the tied head: the fused head forms no (V, C) weight-gradient accumulator and saves only its
+// input's gradient, tokens x C fp32 bytes (before: tokens x C + V x C), and the loss is the plain head's.
+TEST(MemoryTracker, AFrozenFusedHeadKeepsNoWeightGradient) {
+  std::map<std::string, double> first_loss;
+  for (const char* head : {"fused:32", "plain"}) {
+    SCOPED_TRACE(head);
+    auto c = test::tiny_gpt_config(2);
+    c.train.micro_batch = 8;
+    c.model.vocab_size = 4096;
+    c.memory.head = head;
+    c.lora.rank = 2, c.lora.targets = "c_attn";
+    Trainer t(c);
+    first_loss[head] = t.step().loss.item<double>();
+    t.step();
+    const auto& s = t.tracker().last()[0];
+    ASSERT_TRUE(s.at_peak.known);
+    const int64_t C = c.model.n_embd, tokens = c.train.micro_batch * c.model.block_size;
+    EXPECT_EQ(s.at_peak.head_saved, std::string(head) == "plain" ? 0 : tokens * C * 4);
+    EXPECT_FALSE(t.model().named_parameters()["wte.weight"].grad().defined());
+  }
+  EXPECT_NEAR(first_loss["fused:32"], first_loss["plain"], 1e-5);
+}
+
 TEST(MemoryTracker, StepPeakActivationAndPhase) {
   MemoryTracker tracker({});
   torch::Tensor resident = torch::empty({256}, torch::kFloat);  // 1 KiB held across the step

@@ -393,5 +393,118 @@ TEST(Lora, ExportedAdapterAndMergedModelLoadInPeftAndTransformersWithMemtrainsLo
   EXPECT_NE(out.find("adapters from"), std::string::npos) << out;
 }
 
+// QLoRA through the binaries: the nf4_llama folder of scripts/reference/nf4_ref.py (width 128, 2 layers, vocabulary
+// 128) with its adapters, the frozen block linears in NF4, on random token ids.
+std::string run_qlora(const test::TempDir& dir, int ranks, const std::string& name, const std::string& extra, int* code) {
+  const auto tokens = dir.path("tokens128.bin");
+  if (!fs::exists(tokens)) {
+    torch::manual_seed(12);
+    auto ids = torch::randint(0, 128, {6000}, torch::kLong).to(torch::kShort);
+    std::ofstream(tokens, std::ios::binary).write(static_cast<const char*>(ids.data_ptr()), ids.numel() * 2);
+  }
+  const std::string cmd =
+      (ranks > 1 ? test::binary("memtrain-run") + " --standalone --nproc-per-node " + std::to_string(ranks) + " -- " : std::string()) +
+      test::binary("memtrain") + " --model.init_from=" + test::fixture("hf/nf4_llama") +
+      " --lora.init_from=" + test::fixture("hf/nf4_llama_lora") + " --lora.quantize_base=nf4 --data.tokens=" + tokens +
+      " --data.token_format=raw --model.block_size=16 --train.steps=4 --train.warmup_steps=1 --train.eval_every=0"
+      " --log.every=1 --log.progress=lines --train.lr=1e-2 --train.micro_batch=" + std::to_string(4 / ranks) +
+      " --memory.recompute=all --memory.head=fused --log.dir=" + dir.path() + " --log.name=" + name + " " + extra + " 2>&1";
+  return test::shell(cmd, code);
+}
+
+// The bytes a rank holds between steps (its tracker's last line).
+int64_t held_parameter_bytes(const test::TempDir& dir, const std::string& name) {
+  std::ifstream memory(dir.path(name + "/memory.rank0.jsonl"));
+  std::string last;
+  for (std::string line; std::getline(memory, line);) last = line;
+  std::smatch m;
+  return std::regex_search(last, m, std::regex("\"params\":([0-9]+)")) ? std::stoll(m[1]) : -1;
+}
+
+TEST(Qlora, ZeroStagesHoldHalfAByteAWeightMatchOneProcessAndResumeOnTheSameBaseOnly) {
+  test::TempDir dir;
+  int code = -1;
+  auto out = run_qlora(dir, 1, "one", "--checkpoint.every=2", &code);
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("nf4:        10 frozen linear weights"), std::string::npos) << out;
+  const auto one = losses(dir, "one");
+  ASSERT_EQ(one.size(), 4u);
+  {  // the adapters trained: every B moved from the folder's
+    const auto start = load_safetensors(test::fixture("hf/nf4_llama_lora/adapter_model.safetensors"));
+    const auto ck = load_checkpoint(find_latest_checkpoint(dir.path("one/checkpoints")));
+    int moved = 0;
+    for (const auto& [name, t] : ck.tensors)
+      if (name.ends_with(".lora_B")) {
+        const auto layer = name.substr(std::string("model/").size());
+        const auto peft = "base_model.model." + layer.substr(0, layer.size() - 7) + ".lora_B.weight";
+        ASSERT_TRUE(start.count(peft)) << peft;
+        moved += !torch::equal(start.at(peft), t);
+      }
+    EXPECT_EQ(moved, 2 * 3);
+  }
+  // By arithmetic (QLoRA's layout: half a byte per value, an int8 scale per 64, a bf16 factor per 16,384 and the
+  // mean, padded to 16 bytes): q and o 128 x 128, gate, up and down 256 x 128 in NF4; k and v (64 x 128, 128 blocks:
+  // not a whole group of 256) and the norms in fp32; the embedding, head and final norm fp32; the adapters fp32.
+  auto packed = [](int64_t n) { return (n / 2 + n / 64 + 2 * (n / 16384) + 2 + 15) / 16 * 16; };
+  const int64_t layer = 2 * packed(128 * 128) + 3 * packed(256 * 128) + 4 * (2 * 64 * 128 + 2 * 128);
+  const int64_t root = 4 * (2 * 128 * 128 + 128);
+  const int64_t adapters = 4 * (4 * 128 + 128 * 4 + 4 * 128 + 64 * 4 + 4 * 256 + 128 * 4);
+  const int64_t all = 2 * (layer + adapters) + root;
+  EXPECT_EQ(held_parameter_bytes(dir, "one"), all);
+  // Bit-exact resume: from step 2, the base made again from init_from.
+  out = run_qlora(dir, 1, "resumed", "--checkpoint.resume=" + checkpoint_folder(dir.path("one/checkpoints"), 2), &code);
+  ASSERT_EQ(code, 0) << out;
+  const auto resumed = losses(dir, "resumed");
+  ASSERT_EQ(resumed.size(), 2u) << out;
+  EXPECT_EQ(resumed[0], one[2]);
+  EXPECT_EQ(resumed[1], one[3]);
+  // The base is not in the checkpoint; its record is.
+  const auto ck = load_checkpoint(checkpoint_folder(dir.path("one/checkpoints"), 2));
+  EXPECT_FALSE(ck.tensors.count("frozen/model.layers.0.self_attn.q_proj.weight"));
+  EXPECT_TRUE(ck.tensors.count("frozen/model.layers.0.self_attn.k_proj.weight"));
+  ASSERT_TRUE(ck.meta.fields.count("quantized_base"));
+  EXPECT_NE(ck.meta.fields.at("quantized_base").find("nf4 block 64 double_quant, 10 weights"), std::string::npos);
+  for (int stage : {2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    const auto name = "s" + std::to_string(stage);
+    out = run_qlora(dir, 2, name, "--checkpoint.every=2 --dist.zero_stage=" + std::to_string(stage), &code);
+    ASSERT_EQ(code, 0) << out;
+    const auto got = losses(dir, name);
+    ASSERT_EQ(got.size(), 4u);
+    for (size_t s = 0; s < 4; ++s) EXPECT_NEAR(got[s], one[s], 1e-5 * one[s]) << "step " << s + 1;
+    // Stage 3 shards the NF4 bytes with the rest (a bucket per dtype run, each padded to 2 elements).
+    const auto held = held_parameter_bytes(dir, name);
+    if (stage < 3) EXPECT_EQ(held, all);
+    else EXPECT_LE(held, all / 2 + 4 * 64);
+    if (stage == 3) EXPECT_GE(held, all / 2);
+  }
+  // A checkpoint of stage 3 on 2 ranks continues in one process.
+  out = run_qlora(dir, 1, "s3-to-1", "--checkpoint.resume=" + checkpoint_folder(dir.path("s3/checkpoints"), 2), &code);
+  ASSERT_EQ(code, 0) << out;
+  const auto s3_to_1 = losses(dir, "s3-to-1");
+  ASSERT_EQ(s3_to_1.size(), 2u) << out;
+  EXPECT_NEAR(s3_to_1[1], one[3], 1e-5 * one[3]);
+  // A changed base is refused, named: one weight of the folder perturbed.
+  const auto changed = dir.path("changed");
+  fs::copy(test::fixture("hf/nf4_llama"), changed, fs::copy_options::recursive);
+  auto weights = load_safetensors(changed + "/model.safetensors");
+  weights.at("model.layers.1.mlp.up_proj.weight").mul_(1.5);
+  save_safetensors(changed + "/model.safetensors", weights, {{"format", "pt"}});
+  out = run_qlora(dir, 1, "on-changed", "--model.init_from=" + changed + " --checkpoint.resume=" +
+                                            checkpoint_folder(dir.path("one/checkpoints"), 2), &code);
+  EXPECT_NE(code, 0) << out;
+  EXPECT_NE(out.find("changed since"), std::string::npos) << out;
+  // And a run without NF4 does not take up the QLoRA adapters' state silently.
+  out = run_qlora(dir, 1, "unquantized", "--lora.quantize_base=none --checkpoint.resume=" +
+                                             checkpoint_folder(dir.path("one/checkpoints"), 2), &code);
+  EXPECT_NE(code, 0) << out;
+  EXPECT_NE(out.find("not quantized"), std::string::npos) << out;
+}
+
+TEST(Qlora, NeedsAFrozenBase) {
+  const auto e = test::error_of([] { Config::load("", {"--lora.quantize_base=nf4"}); });
+  EXPECT_NE(e.find("needs a frozen base"), std::string::npos) << e;
+}
+
 }  // namespace
 }  // namespace memtrain

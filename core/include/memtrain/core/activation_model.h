@@ -69,6 +69,9 @@ struct ActivationSettings {
   // reduced gradient: 4 / N with fp32 masters, else the parameter bytes / N), born block by block during backward;
   // 0 where the estimate counts the reduced part among the model states.
   double reduced_bytes_per_element = 0;
+  // lora.quantize_base = nf4: the largest NF4 weight's dequantized copy, alive while its product runs (bf16, and its
+  // fp32 copy where the input is fp32 without autocast); counted in each block's backward.
+  int64_t nf4_dequantized_bytes = 0;
 };
 
 struct ActivationTerm {

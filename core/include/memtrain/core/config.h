@@ -36,6 +36,7 @@ inline constexpr std::array<std::string_view, 2> oom{"retry", "fail"};
 inline constexpr std::array<std::string_view, 2> token_format{"llmc", "raw"};
 inline constexpr std::array<std::string_view, 2> on_nonfinite{"skip", "stop"};
 inline constexpr std::array<std::string_view, 3> host_reads{"auto", "each_step", "deferred"};
+inline constexpr std::array<std::string_view, 2> quantize_base{"none", "nf4"};
 
 // "a | b | c", for messages and help.
 template <size_t N>
@@ -143,6 +144,7 @@ struct MemoryConfig {
   std::string estimate_method = "auto";  // auto (closed form where the model has one, else the probe) | closed_form | probe
   std::string budget_mib = "0";     // the planner: MiB per rank | auto (free device memory, less a margin) | 0 (off)
   double budget_headroom = 0.05;    // the planner: share of the budget a chosen plan's estimate leaves free (its error)
+  bool allow_quantized_base = false;  // plan may store a LoRA base in NF4 (lora.quantize_base; changes the numerics)
   bool allow_lowbit_optimizer = false;  // the planner may store AdamW's moments in 8, then 4 bits when nothing else fits
   // CUDA's caching allocator (PYTORCH_CUDA_ALLOC_CONF's settings, as [memory] keys) and its history.
   bool snapshot = false;            // record the allocator's history; write memory_snapshot.rank<N>.pickle (memory_viz)
@@ -190,6 +192,10 @@ struct LoraConfig {
   double dropout = 0.0;          // on the adapters' input
   std::string targets = "";      // comma-separated module names: q_proj,v_proj (Llama) | c_attn (GPT)
   std::string init_from = "";    // a peft adapter folder (adapter_config.json, adapter_model.safetensors)
+  // QLoRA: the frozen block linears stored in 4-bit NormalFloat (models/nf4.h), dequantized inside each product.
+  std::string quantize_base = "none";  // none | nf4
+  int64_t quantize_block = 64;         // values per absmax
+  bool double_quant = true;            // the absmaxes in int8, groups of 256 (QLoRA's double quantization)
 };
 
 struct Config {

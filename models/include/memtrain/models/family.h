@@ -28,6 +28,7 @@ namespace memtrain {
 struct ModelTensors {
   std::vector<int64_t> block, root;
   int64_t layers = 0;
+  int64_t block_linears = 0;  // the first block_linears entries of `block` are its linear maps' weights
 };
 
 // A parameter's tensor in a Hugging Face checkpoint.

@@ -15,6 +15,7 @@
 #include "memtrain/models/gpt.h"
 #include "memtrain/models/llama.h"
 #include "memtrain/models/lora.h"
+#include "memtrain/models/nf4.h"
 #include "memtrain/models/model.h"
 #include "memtrain/distributed/data_parallel.h"
 #include "memtrain/distributed/parallel_dims.h"
@@ -58,6 +59,10 @@ double reduced_part_bytes_per_element(const TrainOptions& train, const DistConfi
 TransformerShape config_transformer_shape(const Config& config);
 // [lora] as the adapters' options.
 LoraOptions lora_options(const LoraConfig& lora);
+// lora.quantize_block / double_quant as NF4's options (models/nf4.h); where an NF4 base's values come from, for the
+// checkpoint's record ("model.init_from DIR" or "train.seed N").
+Nf4Options nf4_options(const LoraConfig& lora);
+std::string nf4_source(const Config& config);
 // What trains, on a built model: with lora.rank > 0 the adapters (and lora.init_from's weights) are added and
 // everything else frozen; else train.freeze's matches are frozen. Returns the adapted modules and the number
 // of parameters frozen (both 0 when neither is set).

@@ -27,7 +27,10 @@ struct PlanCandidate {
   // train.optimizer when the planner changes it (memory.allow_lowbit_optimizer: adamw8bit, adamw4bit); "" = as
   // configured. Fewer bits rank after more whatever their speed: numerics are changed only where nothing else fits.
   std::string optimizer;
-  int lowbit_rank = 0;             // 0 as configured, 1 adamw8bit, 2 adamw4bit
+  int lowbit_rank = 0;             // 0 as configured, 1 adamw8bit, 2 adamw4bit (+ 3 with quantize_base = nf4)
+  // lora.quantize_base when the target planner changes it (memory.allow_quantized_base: nf4); "" = as configured.
+  // Ranked after every setting with the configured base, as fewer bits are.
+  std::string quantize_base;
   MemoryEstimate estimate;
   double step_ms = 0;              // predicted step time (the time model: step_time.h, plan_step_cost or the probe's timings)
   double tokens_per_s = 0;         // all ranks' tokens per second at step_ms (step_time.h's model only; 0 otherwise)

@@ -32,6 +32,7 @@
 #include "memtrain/core/memory_tracker.h"
 #include "memtrain/core/state_checkpoint.h"
 #include "memtrain/models/model.h"
+#include "memtrain/models/nf4.h"
 #include "memtrain/optim/optimizer.h"
 #include "memtrain/runtime/memory_estimate.h"
 #include "memtrain/runtime/device.h"
@@ -78,6 +79,8 @@ struct EvalResult {
   int64_t peak_bytes = -1;       // the training device's peak during the evaluation (-1: not tracked)
   int64_t activation_peak = -1;  // of which the evaluation added over what was resident
 };
+
+class InitialValues;  // trainer.cpp: every parameter's initial values, a slice at a time
 
 class Trainer {
  public:
@@ -331,6 +334,13 @@ class Trainer {
   bool from_shapes_ = false;
   bool fills_shards_ = false;
   std::map<std::string, torch::Tensor> lora_loaded_;  // lora.init_from's adapters (fp32, CPU), which the fill copies
+  // lora.quantize_base = nf4: the frozen weights stored in NF4 (models/nf4.h), by name, and a digest of each one's
+  // packed bytes as the fill made them (the checkpoint's record of the base it trained on).
+  std::map<std::string, Nf4Format> nf4_;
+  std::map<std::string, uint64_t> nf4_digests_;
+  // The packed NF4 bytes of frozen parameter `name` from its initial values (the whole weight, quantized on this rank).
+  torch::Tensor nf4_initial(InitialValues& values, const std::string& name, const c10::Device& device);
+  std::string nf4_record() const;  // "nf4 block 64 ... <digest>" for the manifest; "" without NF4
   int64_t random_drawn_ = 0;     // random values this rank drew for initial weights
   int64_t setup_host_peak_ = 0;  // counted host bytes, from the Trainer's start to the end of setup
   ParallelDims dims_;  // the run's degrees and ZeRO stage, made once after the plan (setup_plan)
