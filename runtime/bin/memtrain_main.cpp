@@ -257,13 +257,28 @@ int print_parameters(const memtrain::Config& config) {
   auto data = memtrain::make_dataset(config, {});
   auto model = memtrain::make_model(config.model, data->info());
   memtrain::select_trainable(*model, config);
-  int64_t trains = 0, frozen = 0;
+  // lora.quantize_base = nf4: which frozen weights are stored in NF4 (the others keep train.param_dtype).
+  std::map<std::string, memtrain::Nf4Format> nf4;
+  if (config.lora.quantize_base == "nf4")
+    for (auto& [name, f] : memtrain::quantize_frozen_linears(*model, memtrain::nf4_options(config.lora), false)) nf4.emplace(name, f);
+  int64_t trains = 0, frozen = 0, packed = 0;
   for (const auto& item : model->named_parameters()) {
     const auto& p = item.value();
+    const auto q = nf4.find(item.key());
+    if (q != nf4.end()) {
+      frozen += q->second.numel(), packed += p.numel();
+      std::cout << "frozen  " << item.key() << " " << c10::IntArrayRef(q->second.shape) << " nf4 (" << p.numel()
+                << " bytes)\n";
+      continue;
+    }
     (p.requires_grad() ? trains : frozen) += p.numel();
     std::cout << (p.requires_grad() ? "trains  " : "frozen  ") << item.key() << " " << p.sizes() << "\n";
   }
-  std::cout << "parameters: " << trains << " train, " << frozen << " frozen (tied weights are listed under each name)\n";
+  std::cout << "parameters: " << trains << " train, " << frozen << " frozen (tied weights are listed under each name)";
+  if (!nf4.empty())
+    std::cout << "; " << nf4.size() << " frozen weights in NF4: " << packed << " bytes; embeddings, norms, the output "
+              << "head and tensors that are not whole NF4 groups stay in train.param_dtype";
+  std::cout << "\n";
   return 0;
 }
 

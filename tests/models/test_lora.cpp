@@ -14,6 +14,7 @@
 #include "memtrain/models/hugging_face.h"
 #include "memtrain/models/llama.h"
 #include "memtrain/models/lora.h"
+#include "memtrain/models/nf4.h"
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/trainer.h"
 
@@ -458,6 +459,27 @@ TEST(Qlora, ZeroStagesHoldHalfAByteAWeightMatchOneProcessAndResumeOnTheSameBaseO
   ASSERT_EQ(resumed.size(), 2u) << out;
   EXPECT_EQ(resumed[0], one[2]);
   EXPECT_EQ(resumed[1], one[3]);
+  // Export: the adapter folder, or merged into the dequantized NF4 base (remade from init_from): q_proj's weight is
+  // the bf16 values of its NF4 codes plus B A alpha / rank.
+  out = test::shell(test::binary("memtrain") + " export --checkpoint " + dir.path("one/checkpoints") + " --out " +
+                    dir.path("merged") + " --merged 2>&1", &code);
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("dequantized NF4 base"), std::string::npos) << out;
+  {
+    const auto merged = load_safetensors(dir.path("merged/model.safetensors"));
+    const auto last = load_checkpoint(find_latest_checkpoint(dir.path("one/checkpoints")));
+    const auto w = load_safetensors(test::fixture("hf/nf4_llama/model.safetensors")).at("model.layers.0.self_attn.q_proj.weight");
+    const auto f = nf4_format({128, 128}, torch::kBFloat16, {});
+    const auto base = nf4_dequantize(nf4_pack(w.to(torch::kBFloat16), f), f).to(torch::kFloat);
+    const auto& a = last.tensors.at("model/model.layers.0.self_attn.q_proj.lora_A");
+    const auto& b = last.tensors.at("model/model.layers.0.self_attn.q_proj.lora_B");
+    const auto want = base + torch::matmul(b, a) * (8.0 / 4);
+    EXPECT_LT((merged.at("model.layers.0.self_attn.q_proj.weight") - want).abs().max().item<double>(), 1e-6);
+  }
+  out = test::shell(test::binary("memtrain") + " export --checkpoint " + dir.path("one/checkpoints") + " --out " +
+                    dir.path("adapter") + " 2>&1", &code);
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_TRUE(fs::exists(dir.path("adapter/adapter_model.safetensors")));
   // The base is not in the checkpoint; its record is.
   const auto ck = load_checkpoint(checkpoint_folder(dir.path("one/checkpoints"), 2));
   EXPECT_FALSE(ck.tensors.count("frozen/model.layers.0.self_attn.q_proj.weight"));
