@@ -23,6 +23,8 @@ constexpr float kLevels[16] = {-1.0000f, -0.6962f, -0.5251f, -0.3949f, -0.2844f,
                                0.0796f,  0.1609f,  0.2461f,  0.3379f,  0.4407f,  0.5626f,  0.7230f,  1.0000f};
 // torchao quantizes 2^20 values at a time (its 16 distances per value are the transient).
 constexpr int64_t kQuantizeChunk = int64_t{1} << 20;
+// The ATen dequantization's values per chunk (its transient: 6 bytes each, 96 MiB).
+constexpr int64_t kDequantizeChunk = int64_t{1} << 24;
 
 int64_t align16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
 
@@ -193,25 +195,39 @@ torch::Tensor nf4_block_scales(const Nf4Parts& p, const Nf4Format& f) {
 }
 
 torch::Tensor nf4_dequantize(const torch::Tensor& packed, const Nf4Format& f) {
+  if (!packed.is_cpu()) return nf4_dequantize_ops(packed, f);
   torch::NoGradGuard no_grad;
   const auto parts = nf4_unpack(packed, f);
   const auto scales = nf4_block_scales(parts, f).contiguous();
-  if (packed.is_cpu()) {
-    auto out = torch::empty(f.shape, packed.options().dtype(f.dtype));
-    float levels[16];
-    const auto rounded = nf4_levels(f.dtype).to(torch::kFloat);
-    for (int i = 0; i < 16; ++i) levels[i] = rounded[i].item<float>();
-    const auto codes = parts.codes.contiguous();
-    AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, f.dtype, "nf4_dequantize", [&] {
-      dequantize_loop<scalar_t>(codes.data_ptr<uint8_t>(), scales.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), f.numel(),
-                                f.block, levels);
-    });
-    return out;
+  auto out = torch::empty(f.shape, packed.options().dtype(f.dtype));
+  float levels[16];  // the levels as the dtype rounds them, widened back to float
+  const auto rounded = nf4_levels(f.dtype).to(torch::kFloat);
+  std::memcpy(levels, rounded.data_ptr<float>(), sizeof(levels));
+  const auto codes = parts.codes.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, f.dtype, "nf4_dequantize", [&] {
+    dequantize_loop<scalar_t>(codes.data_ptr<uint8_t>(), scales.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), f.numel(),
+                              f.block, levels);
+  });
+  return out;
+}
+
+torch::Tensor nf4_dequantize_ops(const torch::Tensor& packed, const Nf4Format& f) {
+  torch::NoGradGuard no_grad;
+  const auto parts = nf4_unpack(packed, f);
+  const auto scales = nf4_block_scales(parts, f);
+  // The same products with ATen operations, a chunk of blocks at a time (its int32 indices and gathered levels, 6 bytes
+  // per value, bounded by the chunk), into the output.
+  auto out = torch::empty({f.blocks(), f.block}, packed.options().dtype(f.dtype));
+  const auto levels = nf4_levels(f.dtype, packed.device());
+  const int64_t chunk_blocks = std::max<int64_t>(1, kDequantizeChunk / f.block);
+  for (int64_t b = 0; b < f.blocks(); b += chunk_blocks) {
+    const int64_t e = std::min(f.blocks(), b + chunk_blocks);
+    const auto codes = parts.codes.slice(0, b * f.block / 2, e * f.block / 2);
+    const auto index = torch::stack({codes.bitwise_right_shift(4), codes.bitwise_and(15)}, 1).view({-1}).to(torch::kInt);
+    auto into = out.slice(0, b, e);
+    torch::mul_out(into, levels.index_select(0, index).view({e - b, f.block}), scales.slice(0, b, e).unsqueeze(-1));
   }
-  // Elsewhere (CUDA): the same products with ATen operations, the indices as int32 (4 bytes per value, transient).
-  const auto index = torch::stack({parts.codes.bitwise_right_shift(4), parts.codes.bitwise_and(15)}, 1).view({-1}).to(torch::kInt);
-  const auto values = nf4_levels(f.dtype, packed.device()).index_select(0, index);
-  return values.view({f.blocks(), f.block}).mul_(scales.unsqueeze(-1)).view(f.shape);
+  return out.view(f.shape);
 }
 
 torch::Tensor nf4_linear(const torch::Tensor& x, const torch::Tensor& packed, const Nf4Format& f, const torch::Tensor& bias) {

@@ -61,15 +61,15 @@ ActivationSettings activation_settings(const Config& config, bool cuda, bool kee
   if (config.lora.rank > 0)
     s.lora = {.rank = config.lora.rank, .dropout = config.lora.dropout, .targets = lora_targets(config.lora)};
   if (config.lora.quantize_base == "nf4" && has_closed_form(config.model)) {
-    // The largest NF4 weight dequantized: bf16 values (on CUDA with the int32 indices they are gathered by: 6 bytes
-    // per value at once), and their fp32 copy for an fp32 input without autocast.
+    // The largest NF4 weight dequantized: bf16 values (on CUDA also a chunk's int32 indices and gathered levels, 6
+    // bytes per value of 2^24 at most), and their fp32 copy for an fp32 input without autocast.
     const auto shapes = model_family(config.model.name).tensors(config.model, config_vocab(config));
     int64_t largest = 0;
     for (int64_t i = 0; i < shapes.block_linears; ++i)
       if (nf4_eligible(shapes.block[static_cast<size_t>(i)], nf4_options(config.lora)))
         largest = std::max(largest, shapes.block[static_cast<size_t>(i)]);
     const int64_t fp32_copy = s.autocast || s.half_params ? 0 : 4;
-    s.nf4_dequantized_bytes = largest * std::max<int64_t>(cuda ? 6 : 2, 2 + fp32_copy);
+    s.nf4_dequantized_bytes = largest * 2 + std::max(cuda ? 6 * std::min(largest, int64_t{1} << 24) : 0, fp32_copy * largest);
   }
   return s;
 }

@@ -47,6 +47,7 @@ TEST_P(Nf4Torchao, CodesScalesAndDequantizedValuesAreTorchaosBitForBit) {
   const auto f = nf4_format(x.sizes().vec(), torch::kBFloat16, o);
   const auto packed = nf4_pack(x, f);
   expect_same_bits(nf4_dequantize(packed, f), ref.at(name + "/dequantized"), "dequantized");
+  expect_same_bits(nf4_dequantize_ops(packed, f), ref.at(name + "/dequantized"), "dequantized by ATen operations (CUDA's path)");
   // The packed tensor holds the parts at their offsets.
   expect_same_bits(nf4_unpack(packed, f).codes, ref.at(name + "/codes"), "packed codes");
   expect_same_bits(nf4_unpack(packed, f).mean, ref.at(name + "/mean"), "packed mean");

@@ -79,8 +79,10 @@ Nf4Parts nf4_unpack(const torch::Tensor& packed, const Nf4Format& format);
 // The per-block absmaxes as dequantization sees them: int8 / factor + mean in the dtype (torchao's
 // dequantize_scalers), or the stored absmaxes.
 torch::Tensor nf4_block_scales(const Nf4Parts& parts, const Nf4Format& format);
-// The weight back, (shape) in the format's dtype.
+// The weight back, (shape) in the format's dtype: on a CPU one threaded pass; elsewhere nf4_dequantize_ops.
 torch::Tensor nf4_dequantize(const torch::Tensor& packed, const Nf4Format& format);
+// The same values from ATen operations on any device (the CUDA path), 2^24 values at a time.
+torch::Tensor nf4_dequantize_ops(const torch::Tensor& packed, const Nf4Format& format);
 
 // x W^T (+ bias) with W stored in NF4 (`packed`): W is dequantized in forward and again in backward; the input
 // gets its gradient, `packed` none (the bias its own if it trains). As torchao's linear_nf4: W in the input's dtype.
