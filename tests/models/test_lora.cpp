@@ -3,6 +3,8 @@
 // hf_check.py: peft loading memtrain's exported adapter) and from arithmetic on element counts.
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -422,6 +424,13 @@ int64_t held_parameter_bytes(const test::TempDir& dir, const std::string& name) 
   return std::regex_search(last, m, std::regex("\"params\":([0-9]+)")) ? std::stoll(m[1]) : -1;
 }
 
+// The parameter bytes of the run's estimate (summary.json, rank 0's).
+int64_t estimated_parameter_bytes(const test::TempDir& dir, const std::string& name) {
+  std::ifstream in(dir.path(name + "/summary.json"));
+  const auto j = nlohmann::json::parse(in);
+  return j.at("memory_estimate").at("device").at("params").get<int64_t>();
+}
+
 TEST(Qlora, ZeroStagesHoldHalfAByteAWeightMatchOneProcessAndResumeOnTheSameBaseOnly) {
   test::TempDir dir;
   int code = -1;
@@ -452,6 +461,7 @@ TEST(Qlora, ZeroStagesHoldHalfAByteAWeightMatchOneProcessAndResumeOnTheSameBaseO
   const int64_t adapters = 4 * (4 * 128 + 128 * 4 + 4 * 128 + 64 * 4 + 4 * 256 + 128 * 4);
   const int64_t all = 2 * (layer + adapters) + root;
   EXPECT_EQ(held_parameter_bytes(dir, "one"), all);
+  EXPECT_EQ(estimated_parameter_bytes(dir, "one"), all);  // the run's own estimate counts the same bytes
   // Bit-exact resume: from step 2, the base made again from init_from.
   out = run_qlora(dir, 1, "resumed", "--checkpoint.resume=" + checkpoint_folder(dir.path("one/checkpoints"), 2), &code);
   ASSERT_EQ(code, 0) << out;
@@ -486,19 +496,24 @@ TEST(Qlora, ZeroStagesHoldHalfAByteAWeightMatchOneProcessAndResumeOnTheSameBaseO
   EXPECT_TRUE(ck.tensors.count("frozen/model.layers.0.self_attn.k_proj.weight"));
   ASSERT_TRUE(ck.meta.fields.count("quantized_base"));
   EXPECT_NE(ck.meta.fields.at("quantized_base").find("nf4 block 64 double_quant, 10 weights"), std::string::npos);
-  for (int stage : {2, 3}) {
-    SCOPED_TRACE("stage " + std::to_string(stage));
-    const auto name = "s" + std::to_string(stage);
-    out = run_qlora(dir, 2, name, "--checkpoint.every=2 --dist.zero_stage=" + std::to_string(stage), &code);
+  // 2 ranks: stage 2 with accumulation (1 x 2 per rank: the same global batch), stage 3 with the optimizer offloaded;
+  // 4 ranks at stage 3.
+  for (const auto& [ranks, stage] : std::vector<std::pair<int, int>>{{2, 2}, {2, 3}, {4, 3}}) {
+    SCOPED_TRACE(std::to_string(ranks) + " ranks, stage " + std::to_string(stage));
+    const auto name = "s" + std::to_string(stage) + (ranks == 4 ? "x4" : "");
+    const std::string how = stage == 2 ? " --train.micro_batch=1 --train.accum_steps=2"
+                                       : ranks == 2 ? " --dist.offload_optimizer=cpu" : "";
+    out = run_qlora(dir, ranks, name, "--checkpoint.every=2 --dist.zero_stage=" + std::to_string(stage) + how, &code);
     ASSERT_EQ(code, 0) << out;
     const auto got = losses(dir, name);
     ASSERT_EQ(got.size(), 4u);
     for (size_t s = 0; s < 4; ++s) EXPECT_NEAR(got[s], one[s], 1e-5 * one[s]) << "step " << s + 1;
-    // Stage 3 shards the NF4 bytes with the rest (a bucket per dtype run, each padded to 2 elements).
+    // Stage 3 shards the NF4 bytes with the rest (a bucket per run of one dtype, each padded to the world size).
     const auto held = held_parameter_bytes(dir, name);
     if (stage < 3) EXPECT_EQ(held, all);
-    else EXPECT_LE(held, all / 2 + 4 * 64);
-    if (stage == 3) EXPECT_GE(held, all / 2);
+    else EXPECT_LE(held, all / ranks + 4 * 64);
+    if (stage == 3) EXPECT_GE(held, all / ranks);
+    EXPECT_LE(std::abs(estimated_parameter_bytes(dir, name) - held), 4 * 64) << "the estimate's parameters";
   }
   // A checkpoint of stage 3 on 2 ranks continues in one process.
   out = run_qlora(dir, 1, "s3-to-1", "--checkpoint.resume=" + checkpoint_folder(dir.path("s3/checkpoints"), 2), &code);
