@@ -127,12 +127,15 @@ torch::Tensor nf4_levels(c10::ScalarType dtype, const c10::Device& device) {
   return torch::from_blob(const_cast<float*>(kLevels), {16}, torch::kFloat).to(device, dtype, false, /*copy=*/true);
 }
 
-Nf4Parts nf4_quantize(const torch::Tensor& w, const Nf4Options& o) {
+Nf4Parts nf4_quantize(const torch::Tensor& w, const Nf4Options& o, int64_t code_begin, int64_t code_end) {
   MEMTRAIN_CHECK(nf4_eligible(w.numel(), o), Error, "[nf4] a weight of ", w.numel(), " values is not whole blocks of ",
                  o.block);
   torch::NoGradGuard no_grad;
   const auto flat = w.contiguous().view({-1});
   const int64_t numel = flat.numel(), blocks = numel / o.block;
+  if (code_end < 0) code_end = numel / 2;
+  MEMTRAIN_CHECK(0 <= code_begin && code_begin <= code_end && code_end <= numel / 2, Error, "[nf4] code bytes [",
+                 code_begin, ", ", code_end, ") of a weight of ", numel, " values");
   Nf4Parts out;
   const auto absmax = block_absmax(flat, o.block);  // (blocks,) in w's dtype
   if (o.double_quant) {
@@ -149,27 +152,48 @@ Nf4Parts nf4_quantize(const torch::Tensor& w, const Nf4Options& o) {
   }
   // torchao's convert_to_norm_float_weight: each value over its block's absmax, the nearest level's index (the first
   // of equal distances; a 0/0 of an all-zero block is NaN, whose index is 0, as in torchao).
-  const auto scaled = (flat.view({blocks, o.block}) / absmax.unsqueeze(-1)).view({-1});
+  // Only the values of code bytes [code_begin, code_end): elements [2 code_begin, 2 code_end), in their blocks.
+  const int64_t first = 2 * code_begin, last = 2 * code_end, count = last - first;
+  const int64_t block_lo = first / o.block, block_hi = (last + o.block - 1) / o.block;
+  const auto scaled = (flat.view({blocks, o.block}).slice(0, block_lo, block_hi) / absmax.slice(0, block_lo, block_hi).unsqueeze(-1))
+                          .view({-1})
+                          .slice(0, first - block_lo * o.block, last - block_lo * o.block);
   const auto levels = nf4_levels(w.scalar_type(), w.device());
-  auto index = torch::empty({numel}, flat.options().dtype(torch::kByte));
-  for (int64_t s = 0; s < numel; s += kQuantizeChunk) {
-    const auto e = std::min(numel, s + kQuantizeChunk);
+  auto index = torch::empty({count}, flat.options().dtype(torch::kByte));
+  for (int64_t s = 0; s < count; s += kQuantizeChunk) {
+    const auto e = std::min(count, s + kQuantizeChunk);
     index.slice(0, s, e).copy_(std::get<1>((scaled.slice(0, s, e).unsqueeze(-1) - levels).abs().min(-1)));
   }
-  out.codes = index.slice(0, 0, numel, 2).bitwise_left_shift(4).bitwise_or_(index.slice(0, 1, numel, 2));
+  out.codes = index.slice(0, 0, count, 2).bitwise_left_shift(4).bitwise_or_(index.slice(0, 1, count, 2));
   return out;
 }
 
-torch::Tensor nf4_pack(const torch::Tensor& w, const Nf4Format& f) {
+torch::Tensor nf4_pack(const torch::Tensor& w, const Nf4Format& f) { return nf4_pack_range(w, f, 0, f.packed_bytes()); }
+
+torch::Tensor nf4_pack_range(const torch::Tensor& w, const Nf4Format& f, int64_t begin, int64_t end) {
   MEMTRAIN_CHECK(w.numel() == f.numel() && w.scalar_type() == f.dtype, Error, "[nf4] packing a ", w.scalar_type(),
                  " tensor of ", w.numel(), " values into a ", f.dtype, " format of ", f.numel());
-  const auto parts = nf4_quantize(w, {.block = f.block, .scaler_block = f.scaler_block, .double_quant = f.double_quant});
-  auto packed = torch::zeros({f.packed_bytes()}, w.options().dtype(torch::kByte));
-  auto view = nf4_unpack(packed, f);
-  view.codes.copy_(parts.codes);
-  view.scales.copy_(parts.scales);
-  if (f.double_quant) view.factors.copy_(parts.factors), view.mean.copy_(parts.mean);
-  return packed;
+  MEMTRAIN_CHECK(0 <= begin && begin <= end && end <= f.packed_bytes(), Error, "[nf4] bytes [", begin, ", ", end,
+                 ") of a packed weight of ", f.packed_bytes());
+  const int64_t codes = f.numel() / 2;
+  const int64_t code_begin = std::min(begin, codes), code_end = std::min(end, codes);
+  const auto parts = nf4_quantize(w, {.block = f.block, .scaler_block = f.scaler_block, .double_quant = f.double_quant},
+                                  code_begin, code_end);
+  auto out = torch::zeros({end - begin}, w.options().dtype(torch::kByte));
+  out.slice(0, code_begin - begin, code_end - begin).copy_(parts.codes);
+  if (end > codes) {  // the scales, factors and mean: laid out whole (a few percent of the bytes), the range kept
+    auto tail = torch::zeros({f.packed_bytes() - codes}, w.options().dtype(torch::kByte));
+    if (f.double_quant) {
+      tail.narrow(0, 0, f.blocks()).copy_(parts.scales.view(torch::kByte));
+      bytes_as(tail, f.factors_offset() - codes, f.groups(), f.dtype).copy_(parts.factors);
+      bytes_as(tail, f.mean_offset() - codes, 1, f.dtype).copy_(parts.mean.reshape({1}));
+    } else {
+      bytes_as(tail, 0, f.blocks(), f.dtype).copy_(parts.scales);
+    }
+    const int64_t from = std::max(begin, codes);
+    out.slice(0, from - begin, end - begin).copy_(tail.slice(0, from - codes, end - codes));
+  }
+  return out;
 }
 
 Nf4Parts nf4_unpack(const torch::Tensor& packed, const Nf4Format& f) {
@@ -243,7 +267,8 @@ const Nf4Format* nf4_format_of(const torch::nn::Module& linear) {
 }
 
 std::vector<std::pair<std::string, Nf4Format>> quantize_frozen_linears(Model& model, const Nf4Options& options,
-                                                                       bool quantize_values) {
+                                                                       bool quantize_values,
+                                                                       std::map<std::string, uint64_t>* digests) {
   std::vector<std::pair<std::string, Nf4Format>> out;
   torch::NoGradGuard no_grad;
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
@@ -256,8 +281,11 @@ std::vector<std::pair<std::string, Nf4Format>> quantize_frozen_linears(Model& mo
     auto module = std::make_shared<Nf4Weight>();
     module->format = nf4_format(w.sizes().vec(), torch::kBFloat16, options);
     const auto& f = module->format;
-    if (quantize_values)
-      w.set_data(nf4_pack(w.detach().to(torch::kBFloat16).contiguous(), f));
+    if (quantize_values) {
+      const auto values = w.detach().to(torch::kBFloat16).contiguous();
+      if (digests) (*digests)[path + ".weight"] = nf4_digest(values);
+      w.set_data(nf4_pack(values, f));
+    }
     else
       w.set_data(has_no_memory(w) ? shapes_only_tensor({f.packed_bytes()}, {.shapes_only = true, .dtype = torch::kByte, .device = w.device()})
                                   : torch::zeros({f.packed_bytes()}, w.options().dtype(torch::kByte)));
@@ -274,8 +302,8 @@ std::map<std::string, Nf4Format> nf4_weights(Model& model) {
   return out;
 }
 
-uint64_t nf4_digest(const torch::Tensor& packed) {
-  const auto bytes = packed.to(torch::kCPU).contiguous();
+uint64_t nf4_digest(const torch::Tensor& values) {
+  const auto bytes = values.to(torch::kCPU).contiguous().view({-1}).view(torch::kByte);
   const auto* p = bytes.data_ptr<uint8_t>();
   const int64_t n = bytes.numel();
   uint64_t h = 1469598103934665603ULL;  // FNV-1a's offset basis, over 8-byte words (then the tail's bytes)

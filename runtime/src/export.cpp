@@ -107,8 +107,9 @@ void add_nf4_base(const Config& config, const std::string& init_from, const std:
     auto values = torch::empty({f.numel()});
     if (source) values.copy_(source->read(name, 0, f.numel()).reshape({-1}));
     else fill_initial(values, init(c.model, name), static_cast<uint64_t>(c.train.seed), name, 0);
-    const auto packed = nf4_pack(values.view(f.shape).to(f.dtype), f);
-    digests[name] = nf4_digest(packed);
+    const auto rounded = values.view(f.shape).to(f.dtype);
+    digests[name] = nf4_digest(rounded);
+    const auto packed = nf4_pack(rounded, f);
     parameters[name] = nf4_dequantize(packed, f).to(torch::kFloat);
   }
   const auto remade = nf4_base_record(digests, c.lora.quantize_block, c.lora.double_quant, nf4_source(c));

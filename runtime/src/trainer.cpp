@@ -171,7 +171,8 @@ void Trainer::fill_whole() {
   };
   for (size_t i = 0; i < params_.size(); ++i) fill(params_[i], param_names_[i], master_.empty() ? nullptr : &master_[i]);
   for (size_t i = 0; i < frozen_.size(); ++i) {
-    if (nf4_.count(frozen_names_[i])) frozen_[i].copy_(nf4_initial(values, frozen_names_[i], frozen_[i].device()));
+    if (nf4_.count(frozen_names_[i]))
+      frozen_[i].copy_(nf4_pack(nf4_values(values, frozen_names_[i], frozen_[i].device()), nf4_.at(frozen_names_[i])));
     else fill(frozen_[i], frozen_names_[i], nullptr);
   }
   random_drawn_ += values.drawn();
@@ -202,18 +203,16 @@ void Trainer::fill_held() {
     }
     dp_->parameters_from_stepped();
     if (fills_shards_) {
-      // An NF4 weight's part is bytes of its packed tensor: the whole weight is quantized here (one at a time, its
-      // bf16 values on the host), its part kept. Every rank records the digest of each weight it holds a part of;
-      // the maximum over ranks gives every rank all of them (the manifest's record of the base).
-      std::string packed_name;
-      torch::Tensor packed;
+      // An NF4 weight's part is bytes [begin, end) of its packed tensor: the weight's bf16 values are read whole (one
+      // weight at a time: every absmax enters the mean of the double quantization), and only the codes of this part
+      // are quantized. Every rank records the digest of each weight it holds a part of; the maximum over ranks gives
+      // every rank all of them (the manifest's record of the base).
       for (const auto& seg : dp_->frozen_segments()) {
         if (!nf4_.count(seg.name)) {
           seg.stepped.copy_(values(seg.name, seg.begin, seg.end));
           continue;
         }
-        if (packed_name != seg.name) packed = nf4_initial(values, seg.name, seg.stepped.device()), packed_name = seg.name;
-        seg.stepped.copy_(packed.slice(0, seg.begin, seg.end));
+        seg.stepped.copy_(nf4_pack_range(nf4_values(values, seg.name, seg.stepped.device()), nf4_.at(seg.name), seg.begin, seg.end));
       }
       if (!nf4_.empty()) {
         std::vector<int64_t> known;
@@ -240,12 +239,12 @@ void Trainer::fill_held() {
               << std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count() << " s\n" << std::flush;
 }
 
-torch::Tensor Trainer::nf4_initial(InitialValues& values, const std::string& name, const c10::Device& device) {
+torch::Tensor Trainer::nf4_values(InitialValues& values, const std::string& name, const c10::Device& device) {
   const auto& f = nf4_.at(name);
-  // fp32 values on the host -> the format's dtype (bf16) on the device -> NF4, as torchao's to_nf4 of the bf16 weight.
-  auto packed = nf4_pack(values(name, 0, f.numel()).view(f.shape).to(device, f.dtype), f);
-  nf4_digests_[name] = nf4_digest(packed);
-  return packed;
+  // fp32 values on the host -> the format's dtype (bf16) on the device, which torchao's to_nf4 quantizes; their digest.
+  auto v = values(name, 0, f.numel()).view(f.shape).to(device, f.dtype);
+  nf4_digests_[name] = nf4_digest(v);
+  return v;
 }
 
 std::string Trainer::nf4_record() const {

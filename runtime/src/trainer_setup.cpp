@@ -120,14 +120,11 @@ void Trainer::setup_lora_and_freeze() {
   if (l.quantize_base == "nf4") {
     // QLoRA: what stays frozen in the blocks' linear maps is stored in NF4. Built from shapes, the packed tensors have
     // no memory yet: the fill quantizes each weight from its values (one whole weight at a time on the host).
-    for (auto& [name, f] : quantize_frozen_linears(*model_, nf4_options(l), /*quantize_values=*/!from_shapes_))
+    for (auto& [name, f] : quantize_frozen_linears(*model_, nf4_options(l), /*quantize_values=*/!from_shapes_, &nf4_digests_))
       nf4_.emplace(name, f);
     MEMTRAIN_CHECK(!nf4_.empty(), ConfigError, "[config] lora.quantize_base = nf4: no frozen linear weight of this model is "
                    "whole blocks of ", l.quantize_block, l.double_quant ? " values in groups of 256 blocks" : " values",
                    " (nothing to quantize)");
-    if (!from_shapes_)
-      for (const auto& item : model_->named_parameters())
-        if (nf4_.count(item.key())) nf4_digests_[item.key()] = nf4_digest(item.value());
   }
   if (from_shapes_ && !l.init_from.empty())  // lora.init_from's adapters: the fill copies them (it gives every value)
     for (const auto& item : model_->named_parameters())

@@ -48,6 +48,10 @@ TEST_P(Nf4Torchao, CodesScalesAndDequantizedValuesAreTorchaosBitForBit) {
   const auto packed = nf4_pack(x, f);
   expect_same_bits(nf4_dequantize(packed, f), ref.at(name + "/dequantized"), "dequantized");
   expect_same_bits(nf4_dequantize_ops(packed, f), ref.at(name + "/dequantized"), "dequantized by ATen operations (CUDA's path)");
+  // Any byte range (a ZeRO-3 rank's part) quantized alone is the same bytes.
+  const int64_t n = f.packed_bytes();
+  for (auto [b, e] : std::vector<std::pair<int64_t, int64_t>>{{0, 1}, {7, n / 2 - 3}, {n / 2 - 5, n / 2 + 9}, {n / 3, n}, {n - 1, n}})
+    expect_same_bits(nf4_pack_range(x, f, b, e), packed.slice(0, b, e), "bytes " + std::to_string(b) + ".." + std::to_string(e));
   // The packed tensor holds the parts at their offsets.
   expect_same_bits(nf4_unpack(packed, f).codes, ref.at(name + "/codes"), "packed codes");
   expect_same_bits(nf4_unpack(packed, f).mean, ref.at(name + "/mean"), "packed mean");

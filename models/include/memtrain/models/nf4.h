@@ -70,10 +70,13 @@ struct Nf4Parts {
   torch::Tensor mean;     // () dtype: the absmaxes' mean; undefined without
 };
 
-// `w` (contiguous, in its dtype, numel eligible) quantized as torchao's to_nf4(w, block, scaler_block).
-Nf4Parts nf4_quantize(const torch::Tensor& w, const Nf4Options& options);
+// `w` (contiguous, in its dtype, numel eligible) quantized as torchao's to_nf4(w, block, scaler_block). The codes of
+// bytes [code_begin, code_end) only (end -1: all): every absmax needs the whole weight, each code its own values only.
+Nf4Parts nf4_quantize(const torch::Tensor& w, const Nf4Options& options, int64_t code_begin = 0, int64_t code_end = -1);
 // One flat uint8 tensor holding the parts in the format's layout (on w's device).
 torch::Tensor nf4_pack(const torch::Tensor& w, const Nf4Format& format);
+// Bytes [begin, end) of nf4_pack(w, format), quantizing only the codes among them (a ZeRO-3 rank's part).
+torch::Tensor nf4_pack_range(const torch::Tensor& w, const Nf4Format& format, int64_t begin, int64_t end);
 // Views of `packed`'s parts (no copy).
 Nf4Parts nf4_unpack(const torch::Tensor& packed, const Nf4Format& format);
 // The per-block absmaxes as dequantization sees them: int8 / factor + mean in the dtype (torchao's
@@ -101,14 +104,16 @@ const Nf4Format* nf4_format_of(const torch::nn::Module& linear);
 // `quantize_values`, from its current values (a model built whole); otherwise the packed tensor is given the same
 // kind of storage the weight had (none, for a model built from shapes: the trainer fills it, nf4_pack per weight).
 // Returns each quantized weight's name and format, in the model's order.
+// `digests` (with quantize_values): each quantized weight's nf4_digest of its bf16 values.
 std::vector<std::pair<std::string, Nf4Format>> quantize_frozen_linears(Model& model, const Nf4Options& options,
-                                                                       bool quantize_values);
+                                                                       bool quantize_values,
+                                                                       std::map<std::string, uint64_t>* digests = nullptr);
 // name -> format of every NF4 weight of `model` (empty when none).
 std::map<std::string, Nf4Format> nf4_weights(Model& model);
 
-// A 63-bit digest of a packed weight's bytes (FNV-1a over 8-byte words, the top bit cleared: ranks agree on them by
-// a signed maximum).
-uint64_t nf4_digest(const torch::Tensor& packed);
+// A 63-bit digest of a tensor's bytes (FNV-1a over 8-byte words, the top bit cleared: ranks agree on them by a signed
+// maximum): of an NF4 weight's bf16 values, which decide its packed bytes.
+uint64_t nf4_digest(const torch::Tensor& values);
 // The checkpoint's record of an NF4 base: its settings, where its values came from, and one digest over every
 // weight's (by name). Two runs on the same base in the same format have the same record.
 std::string nf4_base_record(const std::map<std::string, uint64_t>& digests, int64_t block, bool double_quant,

@@ -334,12 +334,12 @@ class Trainer {
   bool from_shapes_ = false;
   bool fills_shards_ = false;
   std::map<std::string, torch::Tensor> lora_loaded_;  // lora.init_from's adapters (fp32, CPU), which the fill copies
-  // lora.quantize_base = nf4: the frozen weights stored in NF4 (models/nf4.h), by name, and a digest of each one's
-  // packed bytes as the fill made them (the checkpoint's record of the base it trained on).
+  // lora.quantize_base = nf4: the frozen weights stored in NF4 (models/nf4.h), by name, and a digest of the bf16
+  // values each was quantized from (the checkpoint's record of the base it trained on).
   std::map<std::string, Nf4Format> nf4_;
   std::map<std::string, uint64_t> nf4_digests_;
-  // The packed NF4 bytes of frozen parameter `name` from its initial values (the whole weight, quantized on this rank).
-  torch::Tensor nf4_initial(InitialValues& values, const std::string& name, const c10::Device& device);
+  // The bf16 values an NF4 weight is quantized from (its initial values, whole, on `device`); records their digest.
+  torch::Tensor nf4_values(InitialValues& values, const std::string& name, const c10::Device& device);
   std::string nf4_record() const;  // "nf4 block 64 ... <digest>" for the manifest; "" without NF4
   int64_t random_drawn_ = 0;     // random values this rank drew for initial weights
   int64_t setup_host_peak_ = 0;  // counted host bytes, from the Trainer's start to the end of setup
