@@ -51,8 +51,11 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   const auto B = x.size(0), T = x.size(1), C = x.size(2);
   auto qkv = detail::linear(x, *c_attn).split(C, /*dim=*/2);  // 3 x (B, T, C)
   auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_head, C / n_head}).transpose(1, 2); };
-  auto y = at::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), /*attn_mask=*/{},
-                                            is_training() ? dropout : 0.0, /*is_causal=*/true);  // (B, nh, T, hs)
+  const auto* packed = packed_layout();  // packed records: each attends to itself only
+  const bool masked = packed && packed->mask.size(0) == B && packed->mask.size(-1) == T;
+  auto y = at::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]),
+                                            masked ? std::optional<torch::Tensor>(packed->mask) : std::nullopt,
+                                            is_training() ? dropout : 0.0, /*is_causal=*/!masked);  // (B, nh, T, hs)
   y = y.transpose(1, 2).contiguous().view({B, T, C});
   return resid_drop->forward(detail::linear(y, *c_proj));
 }
@@ -112,7 +115,10 @@ torch::Tensor GPT::embed(const torch::Tensor& idx) {
   const auto T = idx.size(1);
   MEMTRAIN_CHECK(T <= options_.block_size, Error, "[model] sequence of ", T, " tokens is longer than block_size ",
                  options_.block_size);
-  auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
+  const auto* packed = packed_layout();  // packed records: positions restart at each record
+  auto pos = packed && packed->positions.sizes() == idx.sizes()
+                 ? packed->positions
+                 : torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
   return drop->forward(wte->forward(idx) + wpe->forward(pos));
 }
 

@@ -116,8 +116,11 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const RotaryTa
   auto q = apply_rotary(heads(detail::linear(x, *q_proj), n_head), rope);     // (B, nh, T, hd)
   auto k = apply_rotary(heads(detail::linear(x, *k_proj), n_kv_head), rope);  // (B, nkv, T, hd)
   auto v = heads(detail::linear(x, *v_proj), n_kv_head);
-  auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
-                                            /*scale=*/std::nullopt, /*enable_gqa=*/n_kv_head != n_head);
+  const auto* packed = packed_layout();  // packed records: each attends to itself only
+  const bool masked = packed && packed->mask.size(0) == B && packed->mask.size(-1) == T;
+  auto y = at::scaled_dot_product_attention(q, k, v, masked ? std::optional<torch::Tensor>(packed->mask) : std::nullopt,
+                                            /*dropout_p=*/0.0, /*is_causal=*/!masked, /*scale=*/std::nullopt,
+                                            /*enable_gqa=*/n_kv_head != n_head);
   y = y.transpose(1, 2).reshape({B, T, n_head * head_dim});
   return detail::linear(y, *o_proj);
 }
@@ -224,7 +227,16 @@ torch::Tensor Llama::block_part(int64_t i, size_t part, const torch::Tensor& h) 
     const auto dtype = at::autocast::is_autocast_enabled(h.device().type())
                            ? at::autocast::get_autocast_dtype(h.device().type())
                            : x.scalar_type();
-    return h + layer->self_attn->forward(x, rotary(h.size(1), h.device(), dtype));
+    const auto& rope = rotary(h.size(1), h.device(), dtype);
+    const auto* packed = packed_layout();
+    if (packed && packed->positions.size(0) == h.size(0) && packed->positions.size(1) == h.size(1)) {
+      // Packed records: each token's row of the tables at its position in its record, (B, 1, T, hd).
+      const auto at = [&](const torch::Tensor& table) {
+        return table.index_select(0, packed->positions.reshape({-1})).view({h.size(0), 1, h.size(1), table.size(-1)});
+      };
+      return h + layer->self_attn->forward(x, RotaryTables{at(rope.cos), at(rope.sin)});
+    }
+    return h + layer->self_attn->forward(x, rope);
   }
   return h + layer->mlp->forward(layer->post_attention_layernorm->forward(h));
 }

@@ -8,6 +8,22 @@
 
 namespace memtrain {
 
+namespace {
+const PackedLayout* g_packed = nullptr;
+}  // namespace
+
+const PackedLayout* packed_layout() { return g_packed; }
+
+PackedScope::PackedScope(const torch::Tensor& positions, const torch::Tensor& documents) : previous_(g_packed) {
+  const auto T = documents.size(1);
+  const auto causal = torch::ones({T, T}, documents.options().dtype(torch::kBool)).tril();
+  layout_.positions = positions;
+  layout_.mask = documents.unsqueeze(2).eq(documents.unsqueeze(1)).logical_and_(causal).unsqueeze(1);  // (B, 1, T, T)
+  g_packed = &layout_;
+}
+
+PackedScope::~PackedScope() { g_packed = previous_; }
+
 namespace detail {
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
   return at::linear(x, weight, bias.defined() ? std::optional<torch::Tensor>(bias) : std::nullopt);

@@ -203,6 +203,16 @@ std::unique_ptr<Dataset> make_dataset(const Config& c, const Shard& shard) {
     o.val_fraction = d.val_fraction, o.seed = c.train.seed, o.accum_steps = c.train.accum_steps;
     return make_text_dataset(o, shard);
   }
+  if (d.dataset == "chat") {
+    MEMTRAIN_CHECK(is_language_model(c.model), ConfigError, "[config] data.dataset = chat needs a language model, got '",
+                   c.model.name, "'");
+    MEMTRAIN_CHECK(!d.path.empty(), ConfigError, "[config] data.dataset = chat needs data.path: the folder "
+                   "scripts/prepare_chat.py wrote (train.safetensors, val.safetensors)");
+    ChatDataOptions o;
+    o.dir = d.path, o.vocab_size = c.model.vocab_size, o.block_size = context_length(c.model);
+    o.seed = c.train.seed, o.accum_steps = c.train.accum_steps;
+    return make_chat_dataset(o, shard);
+  }
   if (d.dataset == "fashion_mnist") {
     MEMTRAIN_CHECK(!is_language_model(c.model), ConfigError,
                    "[config] data.dataset = fashion_mnist needs an image model (",

@@ -27,8 +27,11 @@ c10::ScalarType compute_dtype(const torch::Tensor& x) {
 }
 
 // Without gradients (evaluation): the same chunks and dtypes, the loss only.
+// Rows whose target is -100 carry no loss: their target is read as class 0 and their terms multiplied by 0.
+torch::Tensor kept_rows(const torch::Tensor& target) { return target.ne(-100); }
+
 torch::Tensor chunked_loss(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& target,
-                           int64_t chunk_rows) {
+                           int64_t chunk_rows, bool masked, double denominator) {
   // No fp16 row cap here: it bounds the weight-gradient product, which this path does not form.
   const auto compute = compute_dtype(x);
   AutocastGuard plain(x.device().type(), std::nullopt);  // casts are explicit below
@@ -38,15 +41,21 @@ torch::Tensor chunked_loss(const torch::Tensor& x, const torch::Tensor& weight, 
   for (int64_t s = 0; s < N; s += chunk_rows) {
     const auto e = std::min(N, s + chunk_rows);
     auto logits = torch::matmul(x.slice(0, s, e).to(compute), w.t()).to(torch::kFloat);  // (n, V), per chunk
-    loss += (logits.logsumexp(1, /*keepdim=*/true) - logits.gather(1, target.slice(0, s, e).unsqueeze(1))).sum();
+    auto tc = target.slice(0, s, e).unsqueeze(1);
+    if (masked) {
+      const auto keep = kept_rows(tc);
+      loss += ((logits.logsumexp(1, /*keepdim=*/true) - logits.gather(1, tc.clamp_min(0))) * keep).sum();
+    } else {
+      loss += (logits.logsumexp(1, /*keepdim=*/true) - logits.gather(1, tc)).sum();
+    }
   }
-  return loss / static_cast<double>(N);
+  return loss / denominator;
 }
 
 struct FusedLinearCrossEntropy : public torch::autograd::Function<FusedLinearCrossEntropy> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
                                                 const torch::Tensor& weight, const torch::Tensor& target,
-                                                int64_t chunk_rows) {
+                                                int64_t chunk_rows, bool masked, double denominator) {
     const auto dev = x.device().type();
     const auto compute = compute_dtype(x);
     AutocastGuard plain(dev, std::nullopt);  // casts are explicit below
@@ -63,20 +72,23 @@ struct FusedLinearCrossEntropy : public torch::autograd::Function<FusedLinearCro
       const auto e = std::min(N, s + chunk_rows);
       auto xc = x.slice(0, s, e).to(compute);                        // (n, C)
       auto tc = target.slice(0, s, e).unsqueeze(1);                  // (n, 1)
+      torch::Tensor keep;                                            // masked: (n, 1) rows with a loss
+      if (masked) keep = kept_rows(tc), tc = tc.clamp_min(0);
       auto logits = torch::matmul(xc, w.t()).to(torch::kFloat);     // (n, V): the only big buffer, per chunk
       auto lse = logits.logsumexp(1, /*keepdim=*/true);              // (n, 1)
-      loss += (lse - logits.gather(1, tc)).sum();
+      loss += masked ? ((lse - logits.gather(1, tc)) * keep).sum() : (lse - logits.gather(1, tc)).sum();
       // d(sum CE)/d(logits) = softmax - one-hot, formed in place over the logits. Kept in [-1, 1] for the
       // low-precision matmuls; the 1/N of the mean is applied to the fp32 results (1/N before an fp16
       // cast would flush most entries to zero: softmax/N is ~1e-9 for GPT-2 at 16k tokens).
       auto d = logits.sub_(lse).exp_();
       d.scatter_add_(1, tc, torch::full_like(tc, -1.0, d.options()));
+      if (masked) d.mul_(keep);  // a row without a loss has no gradient
       auto dc = d.to(compute);
       grad_x.slice(0, s, e).copy_(torch::matmul(dc, w));            // (n, V) @ (V, C), into fp32
       if (weight_grad) grad_w.add_(torch::matmul(dc.t(), xc));       // (V, n) @ (n, C), accumulated in fp32
     }
     (void)V;
-    const double inv_n = 1.0 / static_cast<double>(N);
+    const double inv_n = 1.0 / denominator;
     auto saved_x = grad_x.mul_(inv_n).to(x.scalar_type());
     auto saved_w = weight_grad ? grad_w.mul_(inv_n).to(weight.scalar_type()) : torch::Tensor();
     if (saved_x.is_cpu()) {  // the tracker tells these apart from activations at the peak
@@ -84,7 +96,7 @@ struct FusedLinearCrossEntropy : public torch::autograd::Function<FusedLinearCro
       if (weight_grad) cpu_memory::mark(saved_w.storage().data(), cpu_memory::Kind::kHeadSaved);
     }
     ctx->save_for_backward({saved_x, saved_w});
-    return {loss / static_cast<double>(N)};
+    return {loss / denominator};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -92,14 +104,14 @@ struct FusedLinearCrossEntropy : public torch::autograd::Function<FusedLinearCro
     auto saved = ctx->get_saved_variables();
     auto g = grad_out[0];
     auto grad_w = saved[1].defined() ? saved[1] * g.to(saved[1].dtype()) : torch::Tensor();
-    return {saved[0] * g.to(saved[0].dtype()), grad_w, torch::Tensor(), torch::Tensor()};
+    return {saved[0] * g.to(saved[0].dtype()), grad_w, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
 }  // namespace
 
 torch::Tensor fused_linear_cross_entropy(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& target,
-                                         int64_t chunk_rows) {
+                                         int64_t chunk_rows, bool masked) {
   MEMTRAIN_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), Error,
                  "[loss] fused_linear_cross_entropy: expected x (N, C) and weight (V, C), got ", x.sizes(), " and ",
                  weight.sizes());
@@ -113,8 +125,11 @@ torch::Tensor fused_linear_cross_entropy(const torch::Tensor& x, const torch::Te
     chunk_rows = gpu ? std::max<int64_t>(64, chunk_rows / 64 * 64) : std::max<int64_t>(1, chunk_rows);
   }
   // No grad mode: nothing would use the gradients that the autograd path forms in forward.
-  if (!torch::GradMode::is_enabled()) return chunked_loss(x, weight, target, chunk_rows);
-  return FusedLinearCrossEntropy::apply(x, weight, target, chunk_rows)[0];
+  // The mean's denominator: the rows (a host count of the kept ones when masked: one read per call).
+  const double denominator =
+      masked ? static_cast<double>(std::max<int64_t>(1, kept_rows(target).sum().item<int64_t>())) : static_cast<double>(x.size(0));
+  if (!torch::GradMode::is_enabled()) return chunked_loss(x, weight, target, chunk_rows, masked, denominator);
+  return FusedLinearCrossEntropy::apply(x, weight, target, chunk_rows, masked, denominator)[0];
 }
 
 }  // namespace memtrain

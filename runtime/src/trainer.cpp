@@ -17,6 +17,7 @@
 #include <functional>
 #include <map>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
 #include "memtrain/core/cpu_memory.h"
@@ -265,14 +266,22 @@ torch::Tensor Trainer::forward_loss(const Batch& batch, torch::Tensor* logits) {
   AutocastGuard autocast(device_.type(), autocast_dtype(precision_));
   if (dp_) dp_->begin_forward();  // stage 3: the root unit (embeddings, head) gathered
   auto h = run_blocks(*model_, batch.input, policy_, block_hooks_.get());
+  // Masked targets (chat records): the sum over trained tokens over their count, at least 1 (a micro-batch with none
+  // gives 0); the caller weighs it by its share of the step's trained tokens.
+  const bool masked = data_ && data_->masks_targets();
   if (head_rows_ >= 0) {  // memory.head = fused: the loss chunk by chunk, the logits never whole
     auto [features, weight] = *model_->head_features(h);
     return fused_linear_cross_entropy(features.reshape({-1, features.size(-1)}), weight, batch.target.reshape({-1}),
-                                      head_rows_);
+                                      head_rows_, masked);
   }
   auto out = model_->head(h);
   if (logits) *logits = out;
-  return model_->loss(out, batch.target);
+  if (!masked) return model_->loss(out, batch.target);
+  const auto target = batch.target.reshape({-1});
+  const auto sum = torch::nn::functional::cross_entropy(
+      out.reshape({-1, out.size(-1)}).to(torch::kFloat), target,
+      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(-100));
+  return sum / target.ne(-100).sum().clamp_min(1).to(torch::kFloat);
 }
 
 void Trainer::mark_gradients() const {
@@ -374,6 +383,8 @@ Batch Trainer::to_device(Batch b) const {
   b.input = b.input.to(device_, /*non_blocking=*/true);
   if (b.input.is_floating_point()) b.input = b.input.to(param_dtype_);
   b.target = b.target.to(device_, /*non_blocking=*/true);
+  if (b.positions.defined()) b.positions = b.positions.to(device_, /*non_blocking=*/true);
+  if (b.documents.defined()) b.documents = b.documents.to(device_, /*non_blocking=*/true);
   return b;
 }
 
@@ -495,15 +506,38 @@ torch::Tensor Trainer::run_micro_batches() {
   const auto& t = config_.train;
   auto loss_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat).device(device_));
   grads_stay_bf16_ = masters_step_by_bucket();
+  // Masked targets (chat records): the step's loss is the sum over its trained tokens divided by their count over
+  // every micro-batch and rank (one small all-reduce, the same on every rank whatever its data). Each piece's loss
+  // (its sum over its own count) is weighed by its count x world / total: DataParallel averages over the ranks.
+  std::vector<Batch> wholes;
+  for (int64_t micro = 0; micro < t.accum_steps; ++micro) wholes.push_back(data_->train_batch(step_, micro, t.micro_batch));
+  double step_tokens = 0;
+  if (data_->masks_targets()) {
+    for (const auto& w : wholes) step_tokens += static_cast<double>(w.target.ne(-100).sum().item<int64_t>());
+    if (dp_ && world_.world_size > 1) {
+      auto total = torch::tensor({step_tokens}, torch::TensorOptions().dtype(torch::kDouble).device(device_));
+      dp_->group_all_reduce_sum(total);
+      step_tokens = total.item<double>();
+    }
+    step_tokens = std::max(step_tokens, 1.0);
+  }
   for (int64_t micro = 0; micro < t.accum_steps; ++micro) {
-    auto whole = data_->train_batch(step_, micro, t.micro_batch);
-    const auto inputs = split_ == 1 ? std::vector<torch::Tensor>{whole.input} : whole.input.tensor_split(split_);
-    const auto targets = split_ == 1 ? std::vector<torch::Tensor>{whole.target} : whole.target.tensor_split(split_);
+    const auto& whole = wholes[static_cast<size_t>(micro)];
+    auto pieces = [&](const torch::Tensor& x) {
+      return !x.defined() ? std::vector<torch::Tensor>(static_cast<size_t>(split_)) : split_ == 1 ? std::vector<torch::Tensor>{x} : x.tensor_split(split_);
+    };
+    const auto inputs = pieces(whole.input), targets = pieces(whole.target);
+    const auto positions = pieces(whole.positions), documents = pieces(whole.documents);
     for (size_t piece = 0; piece < inputs.size(); ++piece) {
-      auto batch = to_device({inputs[piece], targets[piece]});
-      auto loss = split_ == 1 ? forward_loss(batch) / static_cast<double>(t.accum_steps)
-                              : forward_loss(batch) * (static_cast<double>(inputs[piece].size(0)) /
-                                                       static_cast<double>(whole.input.size(0) * t.accum_steps));
+      auto batch = to_device({inputs[piece], targets[piece], positions[piece], documents[piece]});
+      std::optional<PackedScope> packed;  // packed records: their layout for this forward and its backward
+      if (batch.positions.defined()) packed.emplace(batch.positions, batch.documents);
+      auto loss = step_tokens > 0
+                      ? forward_loss(batch) * (static_cast<double>(targets[piece].ne(-100).sum().item<int64_t>()) *
+                                               static_cast<double>(world_.world_size) / step_tokens)
+                  : split_ == 1 ? forward_loss(batch) / static_cast<double>(t.accum_steps)
+                                : forward_loss(batch) * (static_cast<double>(inputs[piece].size(0)) /
+                                                         static_cast<double>(whole.input.size(0) * t.accum_steps));
       tracker_->end_phase(Phase::kForward);
       // 2. Several ranks: buckets are reduced as they fill during this backward (every micro-batch, or the
       //    last only with dist.reduce = step); end_micro_batch waits for them.
@@ -661,9 +695,12 @@ EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
   bool classifier = false;
   // Sums stay on the device (fp64) until the end: one host read per evaluation, not one per batch.
   std::vector<torch::Tensor> losses, hits;
+  const bool masked = data_->masks_targets();  // chat records: weighed by trained tokens, not samples
   for (const auto& b : batches) {
     const auto moved = to_device(b);
-    const auto n = moved.target.size(0);
+    const auto n = masked ? moved.target.ne(-100).sum().item<int64_t>() : moved.target.size(0);
+    std::optional<PackedScope> packed;
+    if (moved.positions.defined()) packed.emplace(moved.positions, moved.documents);
     torch::Tensor logits;
     losses.push_back(forward_loss(moved, &logits).to(torch::kDouble) * static_cast<double>(n));  // an fp32 loss
     if (logits.defined() && logits.dim() == 2) {

@@ -22,7 +22,7 @@ namespace choices {
 inline constexpr std::array<std::string_view, 3> attn_bias{"none", "qkv", "all"};
 inline constexpr std::array<std::string_view, 3> estimate_method{"auto", "closed_form", "probe"};
 inline constexpr std::array<std::string_view, 2> resnet_stem{"small", "imagenet"};
-inline constexpr std::array<std::string_view, 3> dataset{"text", "fashion_mnist", "synthetic"};
+inline constexpr std::array<std::string_view, 4> dataset{"text", "fashion_mnist", "synthetic", "chat"};
 inline constexpr std::array<std::string_view, 3> device{"cpu", "cuda", "auto"};
 inline constexpr std::array<std::string_view, 5> optimizer{"adamw", "adamw_loop", "sgd", "adamw8bit", "adamw4bit"};
 inline constexpr std::array<std::string_view, 3> precision{"fp32", "bf16", "fp16"};
@@ -80,8 +80,8 @@ struct ModelConfig {
 };
 
 struct DataConfig {
-  std::string dataset = "text";  // text | fashion_mnist | synthetic
-  std::string path = "";         // file (text) or folder (fashion_mnist); "" = prepared cache
+  std::string dataset = "text";  // text | fashion_mnist | synthetic | chat
+  std::string path = "";         // file (text) or folder (fashion_mnist; chat: scripts/prepare_chat.py's); "" = prepared cache
   double val_fraction = 0.1;     // held out from the training data for evaluation
   // text: train on token ids instead of bytes. A prepared set's name (austen-bpe8192, austen-bpe50257:
   // set-up's BPE vocabularies, with their own validation file) or a token file's path.

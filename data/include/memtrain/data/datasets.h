@@ -18,7 +18,11 @@ namespace memtrain {
 
 struct Batch {
   torch::Tensor input;   // text: (B, T) int64 tokens; images: (B, C, H, W) float
-  torch::Tensor target;  // text: (B, T) int64 next tokens; images: (B,) int64 labels
+  torch::Tensor target;  // text: (B, T) int64 next tokens (-100: no loss); images: (B,) int64 labels
+  // Packed records (data.dataset = chat): each token's position within its record and its record's index in the row
+  // (-1: padding); undefined for one stream per row.
+  torch::Tensor positions;  // (B, T) int64
+  torch::Tensor documents;  // (B, T) int64
 };
 
 struct Shard {
@@ -42,6 +46,9 @@ class Dataset {
   // The micro-batches per step changed and the global batch did not (the memory planner): a dataset that
   // draws the global batch once per step lays it out for the new count, so the samples stay the same.
   virtual void set_accum_steps(int64_t accum_steps) {}
+  // Whether some targets carry no loss (-100): the step's loss is then the sum over trained tokens divided by their
+  // count over the whole step (every micro-batch and rank), not a mean per micro-batch.
+  virtual bool masks_targets() const { return false; }
 };
 
 // The prepared-data folder: $MEMTRAIN_DATA if set, else the one the build was configured with.
@@ -82,5 +89,23 @@ struct SyntheticDataOptions {
   int64_t seed = 1337;
 };
 std::unique_ptr<Dataset> make_synthetic_dataset(const SyntheticDataOptions& options, const Shard& shard);
+
+// Chat and instruction records (issue 38), prepared by scripts/prepare_chat.py into a folder holding train.safetensors
+// and val.safetensors, each with
+//   tokens   (N,) int32   every record's token ids, one record after another (its chat template applied)
+//   trained  (N,) uint8   1 where the token is one the loss trains on (the assistant's), else 0
+//   offsets  (R + 1,) int64  record r is tokens [offsets[r], offsets[r + 1])
+// Records are packed into rows of block_size (input, target) pairs, whole, in order (the training split shuffled by
+// the seed once), a row closed when the next record does not fit; each token keeps its position within its record
+// and its record's index in the row, so attention stays inside a record (models/packed.h). A target whose token is
+// not trained, and padding, is -100. Bad files are DataErrors naming the file and what is wrong.
+struct ChatDataOptions {
+  std::string dir;              // the prepared folder
+  int64_t vocab_size = 0;       // 0 = the files' metadata
+  int64_t block_size = 128;     // pairs per row
+  int64_t seed = 1337;
+  int64_t accum_steps = 1;
+};
+std::unique_ptr<Dataset> make_chat_dataset(const ChatDataOptions& options, const Shard& shard);
 
 }  // namespace memtrain

@@ -63,6 +63,28 @@ class Model : public torch::nn::Module {
   int64_t num_parameters() const;  // distinct parameters (tied weights once)
 };
 
+// Packed sequences (data.dataset = chat): several records share a row, each attending only to its own earlier tokens,
+// positions restarting at each record. The trainer sets the layout of the batch in flight for its forward and
+// backward (recomputed blocks read it again); GPT's position embedding, Llama's rotary tables and both attentions
+// follow it. Process-wide, not per thread: a CUDA backward (and the recomputation in it) runs on the engine's threads.
+struct PackedLayout {
+  torch::Tensor positions;  // (B, T) int64: each token's position within its record
+  torch::Tensor mask;       // (B, 1, T, T) bool: query i may attend to key j (same record, j <= i)
+};
+const PackedLayout* packed_layout();  // the layout in force, or nullptr
+class PackedScope {
+ public:
+  // documents (B, T): each token's record index in its row (padding -1: it attends to the padding before it only).
+  PackedScope(const torch::Tensor& positions, const torch::Tensor& documents);
+  ~PackedScope();
+  PackedScope(const PackedScope&) = delete;
+  PackedScope& operator=(const PackedScope&) = delete;
+
+ private:
+  PackedLayout layout_;
+  const PackedLayout* previous_;
+};
+
 namespace detail {
 // x @ W^T + b through at::linear, as Python's nn.Linear does. LibTorch's torch::nn::Linear::forward
 // (torch::nn::functional::linear) runs matmul and then a separate `+= bias` for inputs of more than two

@@ -1,0 +1,203 @@
+// Issue 38: chat and instruction records, packed. Expected values come from arithmetic on the records' lengths and
+// from each record run alone (no packing, no mask, positions from 0): a packed row must give every record exactly
+// what it gets alone, and the loss of a step is its trained tokens' summed cross-entropy over their count.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "helpers.h"
+#include "memtrain/core/safetensors.h"
+#include "memtrain/data/datasets.h"
+#include "memtrain/models/model.h"
+#include "memtrain/runtime/factories.h"
+#include "memtrain/runtime/trainer.h"
+
+namespace memtrain {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int64_t kVocab = 64;
+
+// Records of the given lengths: random ids, the second half of each record trained (a prompt, then its answer).
+struct Written {
+  std::vector<torch::Tensor> tokens, trained;
+};
+Written write_records(const std::string& path, const std::vector<int64_t>& lengths, uint64_t seed) {
+  auto g = torch::make_generator<at::CPUGeneratorImpl>(seed);
+  Written w;
+  std::vector<int64_t> offsets = {0};
+  for (auto n : lengths) {
+    w.tokens.push_back(torch::randint(1, kVocab, {n}, g, torch::kLong));
+    auto mask = torch::zeros({n}, torch::kUInt8);
+    mask.slice(0, n / 2, n).fill_(1);
+    w.trained.push_back(mask);
+    offsets.push_back(offsets.back() + n);
+  }
+  save_safetensors(path, {{"tokens", torch::cat(w.tokens).to(torch::kInt)},
+                          {"trained", torch::cat(w.trained)},
+                          {"offsets", torch::tensor(offsets, torch::kLong)},
+                          {"vocab_size", torch::tensor({kVocab}, torch::kLong)}});
+  return w;
+}
+
+Config chat_config(const std::string& dir, const std::string& model, int64_t block) {
+  auto c = test::tiny_gpt_config(2);
+  c.model.name = model;
+  c.model.block_size = block;
+  c.model.vocab_size = kVocab;
+  c.data.dataset = "chat";
+  c.data.path = dir;
+  if (model == "llama") c.model.n_kv_head = 1;
+  return c;
+}
+
+TEST(Chat, RecordsArePackedWholeWithTheirPositionsAndOnlyTrainedTargets) {
+  test::TempDir dir;
+  // Pairs per record: length - 1 = 4, 6, 3, 7, 2; rows of 10: [4 + 6], [3 + 7], [2 + padding 8].
+  const auto w = write_records(dir.path("val.safetensors"), {5, 7, 4, 8, 3}, 1);
+  write_records(dir.path("train.safetensors"), {5, 7, 4, 8, 3}, 1);
+  auto data = make_chat_dataset({.dir = dir.path(), .block_size = 10}, {});
+  EXPECT_EQ(data->info().vocab_size, kVocab);
+  EXPECT_TRUE(data->masks_targets());
+  const auto rows = data->val_batches(8, 0);
+  ASSERT_EQ(rows.size(), 1u);
+  const auto& b = rows[0];
+  ASSERT_EQ(b.input.sizes(), (std::vector<int64_t>{3, 10}));
+  const std::vector<std::vector<int64_t>> docs = {{0, 0, 0, 0, 1, 1, 1, 1, 1, 1}, {0, 0, 0, 1, 1, 1, 1, 1, 1, 1},
+                                                  {0, 0, -1, -1, -1, -1, -1, -1, -1, -1}};
+  const std::vector<std::vector<int64_t>> pos = {{0, 1, 2, 3, 0, 1, 2, 3, 4, 5}, {0, 1, 2, 0, 1, 2, 3, 4, 5, 6},
+                                                 {0, 1, 0, 0, 0, 0, 0, 0, 0, 0}};
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(torch::equal(b.documents[r], torch::tensor(docs[r], torch::kLong))) << "row " << r;
+    EXPECT_TRUE(torch::equal(b.positions[r], torch::tensor(pos[r], torch::kLong))) << "row " << r;
+  }
+  // Record 1 (7 tokens) at row 0, columns 4..9: input its tokens 0..5, target 1..6 where trained (from token 3 on).
+  const auto& t1 = w.tokens[1];
+  EXPECT_TRUE(torch::equal(b.input[0].slice(0, 4, 10), t1.slice(0, 0, 6)));
+  for (int j = 0; j < 6; ++j)
+    EXPECT_EQ(b.target[0][4 + j].item<int64_t>(), j + 1 >= 3 ? t1[j + 1].item<int64_t>() : -100) << j;
+  EXPECT_EQ(b.target[2].slice(0, 2, 10).ne(-100).sum().item<int64_t>(), 0);  // padding trains nothing
+}
+
+TEST(Chat, BadFilesAreNamed) {
+  test::TempDir dir;
+  EXPECT_NE(test::error_of([&] { make_chat_dataset({.dir = dir.path(), .block_size = 8}, {}); }).find("train.safetensors"),
+            std::string::npos);
+  save_safetensors(dir.path("train.safetensors"), {{"tokens", torch::tensor({1, 2, 3}, torch::kInt)},
+                                                   {"trained", torch::tensor({0, 1, 1}, torch::kUInt8)},
+                                                   {"offsets", torch::tensor({0, 2}, torch::kLong)},
+                                                   {"vocab_size", torch::tensor({kVocab}, torch::kLong)}});
+  write_records(dir.path("val.safetensors"), {4}, 2);
+  const auto e = test::error_of([&] { make_chat_dataset({.dir = dir.path(), .block_size = 8}, {}); });
+  EXPECT_NE(e.find("'offsets' must run from 0 to the token count 3"), std::string::npos) << e;
+}
+
+class ChatModels : public ::testing::TestWithParam<const char*> {};
+
+// Each record of a packed row gets exactly what it gets alone: changing one record's tokens leaves the others' logits
+// bitwise unchanged (a mask that leaks fails), and the packed loss (summed cross-entropy over trained tokens / their
+// count) and every parameter gradient equal running each record alone with labels -100 on its prompt, to 1e-5.
+TEST_P(ChatModels, APackedRowGivesEachRecordWhatItGetsAlone) {
+  const std::string name = GetParam();
+  test::TempDir dir;
+  const std::vector<int64_t> lengths = {6, 9, 5, 12, 4};
+  const auto w = write_records(dir.path("val.safetensors"), lengths, 3);
+  write_records(dir.path("train.safetensors"), lengths, 3);
+  auto c = chat_config(dir.path(), name, 16);
+  auto data = make_chat_dataset({.dir = dir.path(), .block_size = 16}, {});
+  const auto batch = data->val_batches(8, 0).at(0);
+  torch::manual_seed(5);
+  auto model = make_model(c.model, data->info());
+  model->eval();
+  torch::Tensor logits;
+  {
+    PackedScope packed(batch.positions, batch.documents);
+    logits = model->forward(batch.input);
+    auto changed = batch.input.clone();
+    // Row 0 holds records 0 and 1 (5 + 8 pairs): change record 0's tokens.
+    changed[0].slice(0, 0, 5).random_(1, kVocab);
+    const auto again = model->forward(changed);
+    EXPECT_TRUE(torch::equal(again[0].slice(0, 5, 13), logits[0].slice(0, 5, 13))) << "record 1 saw record 0";
+    EXPECT_FALSE(torch::equal(again[0].slice(0, 0, 5), logits[0].slice(0, 0, 5)));
+  }
+  // Loss and gradients: packed against each record alone.
+  model->train();
+  model->zero_grad();
+  torch::Tensor packed_loss;
+  {
+    PackedScope packed(batch.positions, batch.documents);
+    const auto out = model->forward(batch.input);
+    const auto target = batch.target.reshape({-1});
+    packed_loss = torch::nn::functional::cross_entropy(
+                      out.reshape({-1, out.size(-1)}), target,
+                      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) /
+                  static_cast<double>(target.ne(-100).sum().item<int64_t>());
+    packed_loss.backward();
+  }
+  std::map<std::string, torch::Tensor> packed_grads;
+  for (const auto& item : model->named_parameters())
+    if (item.value().grad().defined()) packed_grads[item.key()] = item.value().grad().clone();
+  model->zero_grad();
+  int64_t count = 0;
+  for (size_t r = 0; r < lengths.size(); ++r)
+    count += w.trained[r].slice(0, 1).sum().item<int64_t>();
+  auto alone_loss = torch::zeros({});
+  for (size_t r = 0; r < lengths.size(); ++r) {
+    const auto& t = w.tokens[r];
+    const auto n = t.size(0);
+    auto target = t.slice(0, 1, n).clone();
+    target.masked_fill_(w.trained[r].slice(0, 1, n).eq(0), -100);
+    const auto out = model->forward(t.slice(0, 0, n - 1).unsqueeze(0));
+    const auto loss = torch::nn::functional::cross_entropy(
+                          out.reshape({-1, out.size(-1)}), target,
+                          torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) /
+                      static_cast<double>(count);
+    loss.backward();
+    alone_loss += loss.detach();
+  }
+  EXPECT_NEAR(packed_loss.item<double>(), alone_loss.item<double>(), 1e-5);
+  size_t compared = 0;
+  for (const auto& item : model->named_parameters()) {
+    if (!packed_grads.count(item.key())) continue;
+    EXPECT_LT(test::relative_error(packed_grads.at(item.key()), item.value().grad()), 1e-5) << item.key();
+    ++compared;
+  }
+  EXPECT_GT(compared, 4u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, ChatModels, ::testing::Values("gpt", "llama"),
+                         [](const auto& info) { return std::string(info.param); });
+
+// The step's loss is over its trained tokens whatever the micro-batching: 4 rows at once, 2 x 2 accumulated (the
+// micro-batches hold different numbers of trained tokens), and the fused head, give the same loss and gradient norm.
+TEST(Chat, AccumulationAndTheFusedHeadGiveOneBigBatchsStep) {
+  test::TempDir dir;
+  std::vector<int64_t> lengths;
+  for (int i = 0; i < 40; ++i) lengths.push_back(3 + (i * 7) % 13);
+  write_records(dir.path("train.safetensors"), lengths, 4);
+  write_records(dir.path("val.safetensors"), {5, 6, 7}, 5);
+  auto run = [&](int64_t micro, int64_t accum, const std::string& head) {
+    auto c = chat_config(dir.path(), "llama", 16);
+    c.train.micro_batch = micro, c.train.accum_steps = accum, c.memory.head = head;
+    c.train.warmup_steps = 0, c.train.lr = 1e-2;
+    Trainer t(c);
+    std::vector<std::pair<double, double>> out;
+    for (int s = 0; s < 3; ++s) {
+      const auto r = t.step();
+      out.emplace_back(r.loss.item<double>(), r.grad_norm.item<double>());
+    }
+    return out;
+  };
+  const auto one = run(4, 1, "plain");
+  for (const auto& [micro, accum, head] : std::vector<std::tuple<int64_t, int64_t, std::string>>{{2, 2, "plain"}, {1, 4, "fused"}}) {
+    const auto got = run(micro, accum, head);
+    for (size_t s = 0; s < one.size(); ++s) {
+      EXPECT_NEAR(got[s].first, one[s].first, 1e-5 * one[s].first) << micro << " x " << accum << " " << head << ", step " << s + 1;
+      EXPECT_NEAR(got[s].second, one[s].second, 1e-5 * one[s].second) << micro << " x " << accum << " " << head;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace memtrain
