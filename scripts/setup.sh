@@ -171,6 +171,12 @@ fi
 #    (byte-level BPE vocabularies of 8,192 and 50,257 entries trained on the Austen corpus, once).
 "$VENV/bin/python" "$ROOT/scripts/prepare_data.py" "$DATA" | { grep -v '^prepared .*fashion-mnist$' || true; }
 "$VENV/bin/python" "$ROOT/scripts/prepare_tokens.py" "$DATA"
+# Chat records for data.dataset = chat's example (examples/configs/llama_austen_chat_lora_cpu.ini): "continue this
+# passage" records from the novels, with the 8,192-entry BPE tokenizer, once.
+if [ ! -f "$DATA/chat/austen-continue/train.safetensors" ]; then
+  "$VENV/bin/python" "$ROOT/scripts/prepare_chat.py" --austen "$DATA/text/austen.txt" \
+    --tokenizer "$DATA/tokens/austen-bpe8192" --out "$DATA/chat/austen-continue" --max-tokens 129 | tail -1
+fi
 
 [ "${1:-}" = "--no-build" ] && exit 0
 

@@ -206,10 +206,10 @@ std::unique_ptr<Dataset> make_dataset(const Config& c, const Shard& shard) {
   if (d.dataset == "chat") {
     MEMTRAIN_CHECK(is_language_model(c.model), ConfigError, "[config] data.dataset = chat needs a language model, got '",
                    c.model.name, "'");
-    MEMTRAIN_CHECK(!d.path.empty(), ConfigError, "[config] data.dataset = chat needs data.path: the folder "
-                   "scripts/prepare_chat.py wrote (train.safetensors, val.safetensors)");
+    // data.path: the folder scripts/prepare_chat.py wrote; empty = set-up's example (Austen "continue this passage").
     ChatDataOptions o;
-    o.dir = d.path, o.vocab_size = c.model.vocab_size, o.block_size = context_length(c.model);
+    o.dir = d.path.empty() ? (fs::path(default_data_dir()) / "chat" / "austen-continue").string() : d.path;
+    o.vocab_size = c.model.vocab_size, o.block_size = context_length(c.model);
     o.seed = c.train.seed, o.accum_steps = c.train.accum_steps;
     return make_chat_dataset(o, shard);
   }

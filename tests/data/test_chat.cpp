@@ -3,7 +3,9 @@
 // what it gets alone, and the loss of a step is its trained tokens' summed cross-entropy over their count.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
+#include <sstream>
 
 #include "helpers.h"
 #include "memtrain/core/safetensors.h"
@@ -195,6 +197,90 @@ TEST(Chat, AccumulationAndTheFusedHeadGiveOneBigBatchsStep) {
     for (size_t s = 0; s < one.size(); ++s) {
       EXPECT_NEAR(got[s].first, one[s].first, 1e-5 * one[s].first) << micro << " x " << accum << " " << head << ", step " << s + 1;
       EXPECT_NEAR(got[s].second, one[s].second, 1e-5 * one[s].second) << micro << " x " << accum << " " << head;
+    }
+  }
+}
+
+// scripts/prepare_chat.py on a JSONL with good and bad records and the Austen BPE tokenizer (no chat template: the
+// script's plain one): each bad record named by its line, and a kept record's ids are transformers' own
+// apply_chat_template(messages, tokenize=True), its trained tokens the assistant's turn.
+TEST(Chat, PrepareChatGivesTheTemplatesIdsAndNamesBadLines) {
+  test::TempDir dir;
+  const auto jsonl = dir.file("records.jsonl",
+                              "{\"messages\": [{\"role\": \"user\", \"content\": \"Who wrote Emma?\"}, {\"role\": \"assistant\", \"content\": \"Jane Austen wrote Emma.\"}]}\n"
+                              "{\"prompt\": \"Name a sister.\", \"response\": \"Elizabeth Bennet.\"}\n"
+                              "{\"messages\": [{\"role\": \"user\", \"content\": \"No answer here\"}]}\n"
+                              "not json\n"
+                              "{\"prompt\": \"Empty?\", \"response\": \"  \"}\n"
+                              "{\"messages\": [{\"role\": \"robot\", \"content\": \"x\"}, {\"role\": \"assistant\", \"content\": \"y\"}]}\n"
+                              "{\"prompt\": \"Q\", \"response\": \"A\"}\n");
+  const auto tokenizer = (fs::path(default_data_dir()) / "tokens" / "austen-bpe8192").string();
+  int code = -1;
+  const auto out = test::shell(std::string(MEMTRAIN_PYTHON) + " " + test::source("scripts/prepare_chat.py") +
+                                   " --tokenizer " + tokenizer + " --train " + jsonl + " --val-fraction 0.2 --out " +
+                                   dir.path("chat") + " 2>&1",
+                               &code);
+  ASSERT_EQ(code, 0) << out;
+  for (const char* line : {"train line 3: dropped: no assistant message", "train line 4: dropped: not JSON",
+                           "train line 5: dropped: an empty assistant answer", "train line 6: dropped: message 0 has role 'robot'"})
+    EXPECT_NE(out.find(line), std::string::npos) << line << "\n" << out;
+  EXPECT_FALSE(fs::exists(dir.path("chat.partial")));
+  const auto t = load_safetensors(dir.path("chat/train.safetensors"));
+  const auto offsets = t.at("offsets");
+  ASSERT_EQ(offsets.numel(), 3);  // lines 1 and 2 kept
+  // transformers' ids for line 1 with the same template.
+  const auto ids = test::shell(std::string(MEMTRAIN_PYTHON) + " -c \"import sys; sys.path.insert(0, '" + test::source("scripts") +
+                               "'); import prepare_chat as p; t = p.load_tokenizer('" + tokenizer +
+                               "', None); print(' '.join(map(str, t.apply_chat_template([{'role': 'user', 'content': "
+                               "'Who wrote Emma?'}, {'role': 'assistant', 'content': 'Jane Austen wrote Emma.'}], "
+                               "tokenize=True))))\" 2>/dev/null | tail -1");
+  std::vector<int64_t> want;
+  std::istringstream in(ids);
+  for (int64_t v; in >> v;) want.push_back(v);
+  const auto first = t.at("tokens").slice(0, 0, offsets[1].item<int64_t>()).to(torch::kLong);
+  ASSERT_EQ(first.numel(), static_cast<int64_t>(want.size())) << ids;
+  EXPECT_TRUE(torch::equal(first, torch::tensor(want, torch::kLong)));
+  // The trained tokens are a suffix of record 1: the answer and its end of turn, nothing of the prompt.
+  const auto trained = t.at("trained").slice(0, 0, offsets[1].item<int64_t>()).to(torch::kLong);
+  const auto n = trained.sum().item<int64_t>();
+  EXPECT_GT(n, 0);
+  EXPECT_EQ(trained.slice(0, trained.numel() - n).sum().item<int64_t>(), n);
+  // It trains.
+  auto c = chat_config(dir.path("chat"), "llama", 32);
+  c.model.vocab_size = 0;
+  c.train.micro_batch = 2;
+  Trainer tr(c);
+  EXPECT_TRUE(std::isfinite(tr.step().loss.item<double>()));
+}
+
+// Two ranks take their parts of the same rows and normalise by the step's trained tokens over both: their losses and
+// gradient norms are one process's (1e-5), at ZeRO 0 and 3.
+TEST(Chat, TwoRanksGiveOneProcesssSteps) {
+  test::TempDir dir;
+  std::vector<int64_t> lengths;
+  for (int i = 0; i < 40; ++i) lengths.push_back(3 + (i * 5) % 11);
+  write_records(dir.path("train.safetensors"), lengths, 6);
+  write_records(dir.path("val.safetensors"), {5, 6, 7}, 7);
+  auto run = [&](int ranks, const std::string& name, const std::string& extra) {
+    const std::string cmd =
+        (ranks > 1 ? test::binary("memtrain-run") + " --standalone --nproc-per-node 2 -- " : std::string()) +
+        test::binary("memtrain") + " --model.name=llama --model.n_layer=2 --model.n_embd=32 --model.n_head=2 --model.n_kv_head=1"
+        " --model.block_size=16 --model.vocab_size=64 --data.dataset=chat --data.path=" + dir.path() +
+        " --train.steps=3 --train.warmup_steps=0 --train.lr=1e-2 --train.eval_every=0 --log.every=1 --log.progress=lines"
+        " --train.micro_batch=" + std::to_string(4 / ranks) + " --log.dir=" + dir.path() + " --log.name=" + name + " " + extra + " 2>&1";
+    int code = -1;
+    const auto out = test::shell(cmd, &code);
+    EXPECT_EQ(code, 0) << out;
+    return std::make_pair(test::metric_losses(dir.path(name + "/metrics.jsonl")), test::metric_grad_norms(dir.path(name + "/metrics.jsonl")));
+  };
+  const auto one = run(1, "one", "");
+  ASSERT_EQ(one.first.size(), 3u);
+  for (int stage : {0, 3}) {
+    const auto two = run(2, "two" + std::to_string(stage), "--dist.zero_stage=" + std::to_string(stage));
+    ASSERT_EQ(two.first.size(), 3u);
+    for (size_t s = 0; s < 3; ++s) {
+      EXPECT_NEAR(two.first[s], one.first[s], 1e-5 * one.first[s]) << "stage " << stage << ", step " << s + 1;
+      EXPECT_NEAR(two.second[s], one.second[s], 1e-5 * one.second[s]) << "stage " << stage << ", grad norm, step " << s + 1;
     }
   }
 }
