@@ -159,6 +159,11 @@ ActivationEstimate transformer_activations(const TransformerShape& m, const Acti
   // Before the first block: the batch (input and target, int64), GPT's positions, Llama's rotary tables (fp32
   // cos and sin, and their 16-bit copies).
   int64_t base = 16 * t;
+  // Packed records (data.dataset = chat): their positions and documents (int64), the boolean attention mask
+  // (B, 1, T, T), and with Llama each block's rotary rows gathered by position (cos and sin, B x T x hd, at most fp32),
+  // which the rotation's product keeps for backward (counted for every block: an upper bound under recompute).
+  if (s.packed) base += 16 * t + s.micro_batch * m.context * m.context +
+                        (m.family == TransformerShape::Family::kGpt ? 0 : L * 2 * 4 * t * m.head_dim());
   if (m.family == TransformerShape::Family::kGpt) {
     base += 8 * m.context;
     if (m.dropout > 0) base += (s.cuda ? 1 : r) * h * t;     // the embedding's dropout

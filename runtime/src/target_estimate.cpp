@@ -60,6 +60,7 @@ ActivationSettings activation_settings(const Config& config, bool cuda, bool kee
   s.cuda = cuda;
   if (config.lora.rank > 0)
     s.lora = {.rank = config.lora.rank, .dropout = config.lora.dropout, .targets = lora_targets(config.lora)};
+  s.packed = config.data.dataset == "chat";
   if (config.lora.quantize_base == "nf4" && has_closed_form(config.model)) {
     // The largest NF4 weight dequantized: bf16 values (on CUDA also a chunk's int32 indices and gathered levels, 6
     // bytes per value of 2^24 at most), and their fp32 copy for an fp32 input without autocast.

@@ -72,6 +72,7 @@ struct ActivationSettings {
   // lora.quantize_base = nf4: the largest NF4 weight's dequantized copy, alive while its product runs (bf16, and its
   // fp32 copy where the input is fp32 without autocast); counted in each block's backward.
   int64_t nf4_dequantized_bytes = 0;
+  bool packed = false;  // data.dataset = chat: packed records with their attention mask
 };
 
 struct ActivationTerm {
