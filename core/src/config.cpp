@@ -240,6 +240,7 @@ std::vector<Entry> entries(Config& c) {
       entry("data.tokens", &d.tokens,
             "text: token ids instead of bytes; a prepared BPE set (austen-bpe8192 | austen-bpe50257) or the path of a "
             "token file (llm.c's .bin or headerless uint16), memory-mapped; empty = byte-level"),
+      entry("data.pack", &d.pack, "chat: several records per row of model.block_size, each attending to itself only; false = one record per row, padded (the unpacked baseline)"),
       entry("data.val_tokens", &d.val_tokens, "validation token file; empty = the tail val_fraction of data.tokens"),
       entry("data.token_format", &d.token_format,
             choices::join(choices::token_format) + " (llmc: 256 x int32 header, magic 20240520; raw: headerless uint16)", one_of(choices::token_format)),

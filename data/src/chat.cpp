@@ -51,7 +51,7 @@ struct Packed {
   int64_t rows() const { return input.size(0); }
 };
 
-Packed pack(const Records& r, const std::vector<int64_t>& order, int64_t T) {
+Packed pack(const Records& r, const std::vector<int64_t>& order, int64_t T, bool several) {
   std::vector<int64_t> in, tg, pos, doc;
   const auto* tokens = r.tokens.data_ptr<int64_t>();
   const auto trained = r.trained.contiguous();
@@ -64,7 +64,7 @@ Packed pack(const Records& r, const std::vector<int64_t>& order, int64_t T) {
   };
   for (auto rec : order) {
     const int64_t b = r.offsets[rec], pairs = std::min(T, r.offsets[rec + 1] - b - 1);  // longer: its first T pairs
-    if (used + pairs > T) close();
+    if (used + pairs > T || !several) close();
     for (int64_t j = 0; j < pairs; ++j) {
       in.push_back(tokens[b + j]);
       tg.push_back(mask[b + j + 1] ? tokens[b + j + 1] : -100);
@@ -98,10 +98,10 @@ class ChatDataset : public Dataset {
     auto g = torch::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(o.seed));
     const auto perm = torch::randperm(static_cast<int64_t>(order.size()), g, torch::kLong);
     for (size_t i = 0; i < order.size(); ++i) order[i] = perm[static_cast<int64_t>(i)].item<int64_t>();
-    train_ = pack(train, order, o.block_size);
+    train_ = pack(train, order, o.block_size, o.pack);
     std::vector<int64_t> val_order(val.offsets.size() - 1);
     std::iota(val_order.begin(), val_order.end(), 0);
-    val_ = pack(val, val_order, o.block_size);
+    val_ = pack(val, val_order, o.block_size, o.pack);
     records_ = static_cast<int64_t>(order.size());
     trained_tokens_ = train.trained.sum().item<int64_t>();
   }

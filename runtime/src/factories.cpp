@@ -210,7 +210,7 @@ std::unique_ptr<Dataset> make_dataset(const Config& c, const Shard& shard) {
     ChatDataOptions o;
     o.dir = d.path.empty() ? (fs::path(default_data_dir()) / "chat" / "austen-continue").string() : d.path;
     o.vocab_size = c.model.vocab_size, o.block_size = context_length(c.model);
-    o.seed = c.train.seed, o.accum_steps = c.train.accum_steps;
+    o.seed = c.train.seed, o.accum_steps = c.train.accum_steps, o.pack = d.pack;
     return make_chat_dataset(o, shard);
   }
   if (d.dataset == "fashion_mnist") {

@@ -10,6 +10,7 @@
 #include "helpers.h"
 #include "memtrain/core/safetensors.h"
 #include "memtrain/data/datasets.h"
+#include "memtrain/models/hugging_face.h"
 #include "memtrain/models/model.h"
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/trainer.h"
@@ -284,6 +285,48 @@ TEST(Chat, TwoRanksGiveOneProcesssSteps) {
     }
   }
 }
+
+// transformers as the oracle (scripts/reference/chat_ref.py): six records of hf_models.py's Llama (GQA) and GPT-2, each
+// run alone in transformers with labels -100 on its prompt; memtrain packs them into rows of 16 and runs them at once.
+// The loss (summed over trained tokens / their count) and every parameter's gradient agree to 1e-5.
+class ChatTransformers : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(ChatTransformers, PackedLossAndGradientsEqualEachRecordAloneInTransformers) {
+  const std::string name = GetParam();
+  const auto base = test::fixture("hf/" + name);
+  const auto ref = load_safetensors(test::fixture("chat/" + name + "_ref.safetensors"));
+  const auto c = Config::load("", {"--model.init_from=" + base, "--data.dataset=chat", "--model.block_size=16",
+                                   "--data.path=" + test::fixture("chat/" + name)});
+  auto model = make_model(c.model, DataInfo{.vocab_size = 97});
+  load_hugging_face_weights(*model, base);
+  auto data = make_chat_dataset({.dir = test::fixture("chat/" + name), .block_size = 16}, {});
+  const auto rows = data->val_batches(8, 0);
+  ASSERT_EQ(rows.size(), 1u);
+  const auto& batch = rows[0];
+  EXPECT_LT(batch.input.size(0), 6) << "the records were not packed";
+  model->train();
+  PackedScope packed(batch.positions, batch.documents);
+  const auto out = model->forward(batch.input);
+  const auto target = batch.target.reshape({-1});
+  const auto loss = torch::nn::functional::cross_entropy(out.reshape({-1, out.size(-1)}), target,
+                                                         torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) /
+                    static_cast<double>(target.ne(-100).sum().item<int64_t>());
+  loss.backward();
+  EXPECT_NEAR(loss.item<double>(), ref.at("loss").item<double>(), 1e-5);
+  size_t compared = 0;
+  for (const auto& item : model->named_parameters()) {
+    const auto hf = hugging_face_name(c.model, item.key());
+    SCOPED_TRACE(item.key() + " as " + hf.name);
+    ASSERT_TRUE(ref.count("grad/" + hf.name));
+    const auto& want = ref.at("grad/" + hf.name);
+    EXPECT_LT(test::relative_error(hf.transposed ? item.value().grad().t() : item.value().grad(), want), 1e-5);
+    ++compared;
+  }
+  EXPECT_GT(compared, 10u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, ChatTransformers, ::testing::Values("llama_gqa", "gpt2"),
+                         [](const auto& info) { return std::string(info.param); });
 
 }  // namespace
 }  // namespace memtrain

@@ -102,6 +102,11 @@ TEST(Factories, EveryDatasetIsBuiltForAModelItFits) {
     if (name == "fashion_mnist") {  // 10 classes of 1 x 28 x 28 images
       EXPECT_EQ(data->info().num_classes, 10);
       EXPECT_EQ(b.input.sizes(), (std::vector<int64_t>{2, 1, 28, 28}));
+    } else if (name == "chat") {  // set-up's Austen records, in its 8,192-entry BPE vocabulary, packed
+      EXPECT_EQ(data->info().vocab_size, 8192);
+      EXPECT_EQ(b.input.sizes(), (std::vector<int64_t>{2, c.model.block_size}));
+      EXPECT_LT(b.input.max().item<int64_t>(), 8192);
+      EXPECT_EQ(b.positions.sizes(), b.input.sizes());
     } else {  // the byte-level text and the synthetic tokens: a vocabulary of the 256 byte values
       EXPECT_EQ(data->info().vocab_size, 256);
       EXPECT_EQ(b.input.sizes(), (std::vector<int64_t>{2, c.model.block_size}));

@@ -88,6 +88,7 @@ struct DataConfig {
   std::string tokens = "";
   std::string val_tokens = "";   // the validation token file; "" = the tail val_fraction of `tokens`
   std::string token_format = "llmc";  // llmc (llm.c's header) | raw (headerless uint16, nanoGPT's)
+  bool pack = true;              // chat: records packed into rows; false = one record per row, padded
 };
 
 struct TrainOptions {

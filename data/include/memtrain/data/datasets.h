@@ -105,6 +105,7 @@ struct ChatDataOptions {
   int64_t block_size = 128;     // pairs per row
   int64_t seed = 1337;
   int64_t accum_steps = 1;
+  bool pack = true;             // false: one record per row, padded
 };
 std::unique_ptr<Dataset> make_chat_dataset(const ChatDataOptions& options, const Shard& shard);
 
