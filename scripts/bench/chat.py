@@ -4,8 +4,9 @@ costs about the same, but a packed row carries several records and a padded row 
 
   chat.py --build build --out docs/benchmarks/chat_cpu.md [--steps 30]
 
-The Llama of examples/configs/llama_austen_bpe_cpu.ini (4 layers, 128 wide, context 128, vocabulary 8,192), random
-weights, set-up's Austen "continue this passage" records (<data>/chat/austen-continue), micro-batch 16, fp32. Each
+The Llama of examples/configs/llama_austen_bpe_cpu.ini (4 layers, 128 wide, vocabulary 8,192) at a context of 512,
+random weights, set-up's Austen "continue this passage" records (<data>/chat/austen-continue, up to 129 tokens each),
+micro-batch 4 rows of 512, fp32. Each
 setting runs as its own process; ms/step is the median after 3 warm-up steps; the record tokens per row come from
 packing the training records as memtrain does (whole, in the seed's order, a row closed when the next does not fit),
 so record tokens/s = rows/s x record tokens per row, and trained tokens/s likewise.
@@ -14,7 +15,7 @@ import argparse, json, os, random, statistics, subprocess, sys, tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-T, MICRO, WARMUP = 128, 16, 3
+T, MICRO, WARMUP = 512, 4, 3
 
 
 def data_dir():
@@ -64,8 +65,9 @@ if __name__ == "__main__":
             ms, peak = run(a.build, work, "chat", pack)
             results.setdefault(pack, []).append((ms, peak))
     lines = ["# Chat records: packed against padded on the CPU", "",
-             "Written by `scripts/bench/chat.py`: the Austen Llama shape (4 layers, 128 wide, context 128), random "
-             "weights, set-up's Austen \"continue this passage\" records, micro-batch 16 rows of 128, fp32, fused head; "
+             "Written by `scripts/bench/chat.py`: the Austen Llama shape (4 layers, 128 wide) at a context of 512, random "
+             "weights, set-up's Austen \"continue this passage\" records (up to 129 tokens), micro-batch 4 rows of 512, "
+             "fp32, fused head; "
              "two alternating runs each, median ms/step after 3 warm-up steps.", "",
              "| rows | ms/step | record tokens per row | trained targets per row | record tokens/s | trained tokens/s | counted peak |",
              "|---|---|---|---|---|---|---|"]

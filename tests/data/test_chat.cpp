@@ -325,6 +325,18 @@ TEST_P(ChatTransformers, PackedLossAndGradientsEqualEachRecordAloneInTransformer
   EXPECT_GT(compared, 10u);
 }
 
+// Evaluation weighs each batch by its trained tokens: the trainer's validation loss over the same records is
+// transformers' loss above.
+TEST_P(ChatTransformers, EvaluationIsTheTrainedTokensMeanTransformersGives) {
+  const std::string name = GetParam();
+  const auto ref = load_safetensors(test::fixture("chat/" + name + "_ref.safetensors"));
+  auto c = Config::load("", {"--model.init_from=" + test::fixture("hf/" + name), "--data.dataset=chat",
+                             "--model.block_size=16", "--data.path=" + test::fixture("chat/" + name),
+                             "--train.micro_batch=1", "--train.eval_batches=8", "--log.dir=" + test::run_root()});
+  Trainer t(c);
+  EXPECT_NEAR(t.validate().loss, ref.at("loss").item<double>(), 1e-5);
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, ChatTransformers, ::testing::Values("llama_gqa", "gpt2"),
                          [](const auto& info) { return std::string(info.param); });
 
