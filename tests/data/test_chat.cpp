@@ -288,6 +288,35 @@ TEST(Chat, TwoRanksGiveOneProcesssSteps) {
   }
 }
 
+// QLoRA on records: the NF4 Llama of scripts/reference/nf4_ref.py with its adapters, the fused head, trained on
+// packed records in one process and on 2 ranks at ZeRO 3: the same losses (1e-5).
+TEST(Chat, QloraTrainsOnRecordsAlikeOnOneAndTwoRanks) {
+  test::TempDir dir;
+  std::vector<int64_t> lengths;
+  for (int i = 0; i < 30; ++i) lengths.push_back(4 + (i * 3) % 10);
+  write_records(dir.path("train.safetensors"), lengths, 8);
+  write_records(dir.path("val.safetensors"), {5, 6}, 9);
+  auto run = [&](int ranks, const std::string& name, const std::string& extra) {
+    const std::string cmd =
+        (ranks > 1 ? test::binary("memtrain-run") + " --standalone --nproc-per-node 2 -- " : std::string()) +
+        test::binary("memtrain") + " --model.init_from=" + test::fixture("hf/nf4_llama") + " --lora.init_from=" +
+        test::fixture("hf/nf4_llama_lora") + " --lora.quantize_base=nf4 --model.block_size=16 --data.dataset=chat --data.path=" +
+        dir.path() + " --memory.head=fused --train.steps=3 --train.warmup_steps=0 --train.lr=1e-2 --train.eval_every=0"
+        " --log.every=1 --log.progress=lines --train.micro_batch=" + std::to_string(4 / ranks) + " --log.dir=" + dir.path() +
+        " --log.name=" + name + " " + extra + " 2>&1";
+    int code = -1;
+    const auto out = test::shell(cmd, &code);
+    EXPECT_EQ(code, 0) << out;
+    EXPECT_NE(out.find("nf4:"), std::string::npos) << out;
+    return test::metric_losses(dir.path(name + "/metrics.jsonl"));
+  };
+  const auto one = run(1, "one", "");
+  const auto two = run(2, "two", "--dist.zero_stage=3");
+  ASSERT_EQ(one.size(), 3u);
+  ASSERT_EQ(two.size(), 3u);
+  for (size_t s = 0; s < 3; ++s) EXPECT_NEAR(two[s], one[s], 1e-5 * one[s]) << "step " << s + 1;
+}
+
 // transformers as the oracle (scripts/reference/chat_ref.py): six records of hf_models.py's Llama (GQA) and GPT-2, each
 // run alone in transformers with labels -100 on its prompt; memtrain packs them into rows of 16 and runs them at once.
 // The loss (summed over trained tokens / their count) and every parameter's gradient agree to 1e-5.
