@@ -16,9 +16,10 @@ struct Records {
   torch::Tensor tokens;   // (N,) int64
   torch::Tensor trained;  // (N,) bool
   std::vector<int64_t> offsets;
+  int64_t vocab_size = 0;  // the tokenizer's, where prepare_chat.py recorded it
 };
 
-Records read_records(const std::string& path, int64_t vocab) {
+Records read_records(const std::string& path) {
   MEMTRAIN_CHECK(fs::is_regular_file(path), DataError, "[data] data.dataset = chat: no ", path,
                  " (scripts/prepare_chat.py writes train.safetensors and val.safetensors)");
   const auto t = load_safetensors(path);
@@ -37,12 +38,14 @@ Records read_records(const std::string& path, int64_t vocab) {
   for (size_t i = 1; i < r.offsets.size(); ++i)
     MEMTRAIN_CHECK(r.offsets[i] - r.offsets[i - 1] >= 2, DataError, "[data] ", path, ": record ", i - 1, " has ",
                    r.offsets[i] - r.offsets[i - 1], " tokens (at least 2: an input and a target)");
-  if (n > 0) {
-    const auto lo = r.tokens.min().item<int64_t>(), hi = r.tokens.max().item<int64_t>();
-    MEMTRAIN_CHECK(lo >= 0 && (vocab <= 0 || hi < vocab), DataError, "[data] ", path, ": token ids span [", lo, ", ", hi,
-                   "], outside the vocabulary of ", vocab);
-  }
+  if (t.count("vocab_size")) r.vocab_size = t.at("vocab_size").reshape({-1})[0].item<int64_t>();
   return r;
+}
+
+void check_vocabulary(const Records& r, const std::string& path, int64_t vocab) {
+  const auto lo = r.tokens.min().item<int64_t>(), hi = r.tokens.max().item<int64_t>();
+  MEMTRAIN_CHECK(lo >= 0 && hi < vocab, DataError, "[data] ", path, ": token ids span [", lo, ", ", hi,
+                 "], outside the vocabulary of ", vocab);
 }
 
 // Rows of T (input, target) pairs, records whole and in `order`.
@@ -83,21 +86,15 @@ class ChatDataset : public Dataset {
   ChatDataset(const ChatDataOptions& o, const Shard& shard) : o_(o), shard_(shard) {
     const auto train_path = (fs::path(o.dir) / "train.safetensors").string();
     const auto val_path = (fs::path(o.dir) / "val.safetensors").string();
-    vocab_ = o.vocab_size;
-    if (vocab_ <= 0) {  // the tokenizer's, which prepare_chat.py writes beside the records
-      MEMTRAIN_CHECK(fs::is_regular_file(train_path), DataError, "[data] data.dataset = chat: no ", train_path,
-                     " (scripts/prepare_chat.py writes train.safetensors and val.safetensors)");
-      const auto t = load_safetensors(train_path);
-      MEMTRAIN_CHECK(t.count("vocab_size"), DataError, "[data] ", train_path, ": no tensor 'vocab_size'; set model.vocab_size");
-      vocab_ = t.at("vocab_size").reshape({-1})[0].item<int64_t>();
-    }
-    const auto train = read_records(train_path, vocab_);
-    const auto val = read_records(val_path, vocab_);
-    std::vector<int64_t> order(train.offsets.size() - 1);
-    std::iota(order.begin(), order.end(), 0);
+    const auto train = read_records(train_path);
+    const auto val = read_records(val_path);
+    vocab_ = o.vocab_size > 0 ? o.vocab_size : train.vocab_size;  // the model's, else the tokenizer's
+    MEMTRAIN_CHECK(vocab_ > 0, DataError, "[data] ", train_path, ": no tensor 'vocab_size'; set model.vocab_size");
+    check_vocabulary(train, train_path, vocab_);
+    check_vocabulary(val, val_path, vocab_);
     auto g = torch::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(o.seed));
-    const auto perm = torch::randperm(static_cast<int64_t>(order.size()), g, torch::kLong);
-    for (size_t i = 0; i < order.size(); ++i) order[i] = perm[static_cast<int64_t>(i)].item<int64_t>();
+    const auto perm = torch::randperm(static_cast<int64_t>(train.offsets.size() - 1), g, torch::kLong);
+    const std::vector<int64_t> order(perm.data_ptr<int64_t>(), perm.data_ptr<int64_t>() + perm.numel());
     train_ = pack(train, order, o.block_size, o.pack);
     std::vector<int64_t> val_order(val.offsets.size() - 1);
     std::iota(val_order.begin(), val_order.end(), 0);

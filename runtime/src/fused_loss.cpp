@@ -42,12 +42,10 @@ torch::Tensor chunked_loss(const torch::Tensor& x, const torch::Tensor& weight, 
     const auto e = std::min(N, s + chunk_rows);
     auto logits = torch::matmul(x.slice(0, s, e).to(compute), w.t()).to(torch::kFloat);  // (n, V), per chunk
     auto tc = target.slice(0, s, e).unsqueeze(1);
-    if (masked) {
-      const auto keep = kept_rows(tc);
-      loss += ((logits.logsumexp(1, /*keepdim=*/true) - logits.gather(1, tc.clamp_min(0))) * keep).sum();
-    } else {
-      loss += (logits.logsumexp(1, /*keepdim=*/true) - logits.gather(1, tc)).sum();
-    }
+    torch::Tensor keep;  // masked: (n, 1) rows with a loss
+    if (masked) keep = kept_rows(tc), tc = tc.clamp_min(0);
+    const auto terms = logits.logsumexp(1, /*keepdim=*/true) - logits.gather(1, tc);
+    loss += masked ? (terms * keep).sum() : terms.sum();
   }
   return loss / denominator;
 }
@@ -125,9 +123,8 @@ torch::Tensor fused_linear_cross_entropy(const torch::Tensor& x, const torch::Te
     chunk_rows = gpu ? std::max<int64_t>(64, chunk_rows / 64 * 64) : std::max<int64_t>(1, chunk_rows);
   }
   // No grad mode: nothing would use the gradients that the autograd path forms in forward.
-  // The mean's denominator: the rows (a host count of the kept ones when masked: one read per call).
-  const double denominator =
-      masked ? static_cast<double>(std::max<int64_t>(1, kept_rows(target).sum().item<int64_t>())) : static_cast<double>(x.size(0));
+  // The mean over the rows; masked: the sum over the kept ones (the caller normalises).
+  const double denominator = masked ? 1.0 : static_cast<double>(x.size(0));
   if (!torch::GradMode::is_enabled()) return chunked_loss(x, weight, target, chunk_rows, masked, denominator);
   return FusedLinearCrossEntropy::apply(x, weight, target, chunk_rows, masked, denominator)[0];
 }

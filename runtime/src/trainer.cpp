@@ -266,8 +266,8 @@ torch::Tensor Trainer::forward_loss(const Batch& batch, torch::Tensor* logits) {
   AutocastGuard autocast(device_.type(), autocast_dtype(precision_));
   if (dp_) dp_->begin_forward();  // stage 3: the root unit (embeddings, head) gathered
   auto h = run_blocks(*model_, batch.input, policy_, block_hooks_.get());
-  // Masked targets (chat records): the sum over trained tokens over their count, at least 1 (a micro-batch with none
-  // gives 0); the caller weighs it by its share of the step's trained tokens.
+  // Masked targets (chat records): the sum over trained tokens, not a mean; the caller divides by the step's (or the
+  // evaluation's) trained tokens.
   const bool masked = data_ && data_->masks_targets();
   if (head_rows_ >= 0) {  // memory.head = fused: the loss chunk by chunk, the logits never whole
     auto [features, weight] = *model_->head_features(h);
@@ -277,11 +277,9 @@ torch::Tensor Trainer::forward_loss(const Batch& batch, torch::Tensor* logits) {
   auto out = model_->head(h);
   if (logits) *logits = out;
   if (!masked) return model_->loss(out, batch.target);
-  const auto target = batch.target.reshape({-1});
-  const auto sum = torch::nn::functional::cross_entropy(
-      out.reshape({-1, out.size(-1)}).to(torch::kFloat), target,
+  return torch::nn::functional::cross_entropy(
+      out.reshape({-1, out.size(-1)}).to(torch::kFloat), batch.target.reshape({-1}),
       torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(-100));
-  return sum / target.ne(-100).sum().clamp_min(1).to(torch::kFloat);
 }
 
 void Trainer::mark_gradients() const {
@@ -507,8 +505,8 @@ torch::Tensor Trainer::run_micro_batches() {
   auto loss_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat).device(device_));
   grads_stay_bf16_ = masters_step_by_bucket();
   // Masked targets (chat records): the step's loss is the sum over its trained tokens divided by their count over
-  // every micro-batch and rank (one small all-reduce, the same on every rank whatever its data). Each piece's loss
-  // (its sum over its own count) is weighed by its count x world / total: DataParallel averages over the ranks.
+  // every micro-batch and rank (one small all-reduce, the same on every rank whatever its data). Each piece's summed
+  // loss is weighed by world / total: DataParallel averages over the ranks.
   std::vector<Batch> wholes;
   for (int64_t micro = 0; micro < t.accum_steps; ++micro) wholes.push_back(data_->train_batch(step_, micro, t.micro_batch));
   double step_tokens = 0;
@@ -533,8 +531,7 @@ torch::Tensor Trainer::run_micro_batches() {
       std::optional<PackedScope> packed;  // packed records: their layout for this forward and its backward
       if (batch.positions.defined()) packed.emplace(batch.positions, batch.documents);
       auto loss = step_tokens > 0
-                      ? forward_loss(batch) * (static_cast<double>(targets[piece].ne(-100).sum().item<int64_t>()) *
-                                               static_cast<double>(world_.world_size) / step_tokens)
+                      ? forward_loss(batch) * (static_cast<double>(world_.world_size) / step_tokens)
                   : split_ == 1 ? forward_loss(batch) / static_cast<double>(t.accum_steps)
                                 : forward_loss(batch) * (static_cast<double>(inputs[piece].size(0)) /
                                                          static_cast<double>(whole.input.size(0) * t.accum_steps));
@@ -698,11 +695,12 @@ EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
   const bool masked = data_->masks_targets();  // chat records: weighed by trained tokens, not samples
   for (const auto& b : batches) {
     const auto moved = to_device(b);
-    const auto n = masked ? moved.target.ne(-100).sum().item<int64_t>() : moved.target.size(0);
     std::optional<PackedScope> packed;
     if (moved.positions.defined()) packed.emplace(moved.positions, moved.documents);
+    // Masked: the loss is already a sum, over n trained tokens (counted on the host copy of the targets).
+    const auto n = masked ? b.target.ne(-100).sum().item<int64_t>() : moved.target.size(0);
     torch::Tensor logits;
-    losses.push_back(forward_loss(moved, &logits).to(torch::kDouble) * static_cast<double>(n));  // an fp32 loss
+    losses.push_back(forward_loss(moved, &logits).to(torch::kDouble) * (masked ? 1.0 : static_cast<double>(n)));
     if (logits.defined() && logits.dim() == 2) {
       classifier = true;
       hits.push_back(logits.argmax(1).eq(moved.target).sum());

@@ -254,6 +254,22 @@ TEST(Chat, PrepareChatGivesTheTemplatesIdsAndNamesBadLines) {
   EXPECT_TRUE(std::isfinite(tr.step().loss.item<double>()));
 }
 
+// memtrain on the chat records in `dir`, 3 steps of 4 rows of 16 (one process, or 2 ranks of 2 rows through
+// memtrain-run), with `args` for the model; the run's metrics.jsonl (its output in *out).
+std::string run_chat(const test::TempDir& dir, int ranks, const std::string& name, const std::string& args,
+                     std::string* out = nullptr) {
+  const std::string cmd =
+      (ranks > 1 ? test::binary("memtrain-run") + " --standalone --nproc-per-node 2 -- " : std::string()) +
+      test::binary("memtrain") + " " + args + " --model.block_size=16 --data.dataset=chat --data.path=" + dir.path() +
+      " --train.steps=3 --train.warmup_steps=0 --train.lr=1e-2 --train.eval_every=0 --log.every=1 --log.progress=lines"
+      " --train.micro_batch=" + std::to_string(4 / ranks) + " --log.dir=" + dir.path() + " --log.name=" + name + " 2>&1";
+  int code = -1;
+  const auto output = test::shell(cmd, &code);
+  EXPECT_EQ(code, 0) << output;
+  if (out) *out = output;
+  return dir.path(name + "/metrics.jsonl");
+}
+
 // Two ranks take their parts of the same rows and normalise by the step's trained tokens over both: their losses and
 // gradient norms are one process's (1e-5), at ZeRO 0 and at ZeRO 3 with every block recomputed.
 TEST(Chat, TwoRanksGiveOneProcesssSteps) {
@@ -262,17 +278,11 @@ TEST(Chat, TwoRanksGiveOneProcesssSteps) {
   for (int i = 0; i < 40; ++i) lengths.push_back(3 + (i * 5) % 11);
   write_records(dir.path("train.safetensors"), lengths, 6);
   write_records(dir.path("val.safetensors"), {5, 6, 7}, 7);
+  const std::string llama = "--model.name=llama --model.n_layer=2 --model.n_embd=32 --model.n_head=2 --model.n_kv_head=1"
+                            " --model.vocab_size=64";
   auto run = [&](int ranks, const std::string& name, const std::string& extra) {
-    const std::string cmd =
-        (ranks > 1 ? test::binary("memtrain-run") + " --standalone --nproc-per-node 2 -- " : std::string()) +
-        test::binary("memtrain") + " --model.name=llama --model.n_layer=2 --model.n_embd=32 --model.n_head=2 --model.n_kv_head=1"
-        " --model.block_size=16 --model.vocab_size=64 --data.dataset=chat --data.path=" + dir.path() +
-        " --train.steps=3 --train.warmup_steps=0 --train.lr=1e-2 --train.eval_every=0 --log.every=1 --log.progress=lines"
-        " --train.micro_batch=" + std::to_string(4 / ranks) + " --log.dir=" + dir.path() + " --log.name=" + name + " " + extra + " 2>&1";
-    int code = -1;
-    const auto out = test::shell(cmd, &code);
-    EXPECT_EQ(code, 0) << out;
-    return std::make_pair(test::metric_losses(dir.path(name + "/metrics.jsonl")), test::metric_grad_norms(dir.path(name + "/metrics.jsonl")));
+    const auto metrics = run_chat(dir, ranks, name, llama + " " + extra);
+    return std::make_pair(test::metric_losses(metrics), test::metric_grad_norms(metrics));
   };
   const auto one = run(1, "one", "");
   ASSERT_EQ(one.first.size(), 3u);
@@ -296,19 +306,13 @@ TEST(Chat, QloraTrainsOnRecordsAlikeOnOneAndTwoRanks) {
   for (int i = 0; i < 30; ++i) lengths.push_back(4 + (i * 3) % 10);
   write_records(dir.path("train.safetensors"), lengths, 8);
   write_records(dir.path("val.safetensors"), {5, 6}, 9);
+  const std::string qlora = "--model.init_from=" + test::fixture("hf/nf4_llama") + " --lora.init_from=" +
+                            test::fixture("hf/nf4_llama_lora") + " --lora.quantize_base=nf4 --memory.head=fused";
   auto run = [&](int ranks, const std::string& name, const std::string& extra) {
-    const std::string cmd =
-        (ranks > 1 ? test::binary("memtrain-run") + " --standalone --nproc-per-node 2 -- " : std::string()) +
-        test::binary("memtrain") + " --model.init_from=" + test::fixture("hf/nf4_llama") + " --lora.init_from=" +
-        test::fixture("hf/nf4_llama_lora") + " --lora.quantize_base=nf4 --model.block_size=16 --data.dataset=chat --data.path=" +
-        dir.path() + " --memory.head=fused --train.steps=3 --train.warmup_steps=0 --train.lr=1e-2 --train.eval_every=0"
-        " --log.every=1 --log.progress=lines --train.micro_batch=" + std::to_string(4 / ranks) + " --log.dir=" + dir.path() +
-        " --log.name=" + name + " " + extra + " 2>&1";
-    int code = -1;
-    const auto out = test::shell(cmd, &code);
-    EXPECT_EQ(code, 0) << out;
+    std::string out;
+    const auto metrics = run_chat(dir, ranks, name, qlora + " " + extra, &out);
     EXPECT_NE(out.find("nf4:"), std::string::npos) << out;
-    return test::metric_losses(dir.path(name + "/metrics.jsonl"));
+    return test::metric_losses(metrics);
   };
   const auto one = run(1, "one", "");
   const auto two = run(2, "two", "--dist.zero_stage=3");

@@ -18,8 +18,8 @@ namespace memtrain {
 // the autocast dtype and the softmax in fp32, as autocast does for linear + cross_entropy.
 // chunk_rows = 0 picks chunks of about 16 Mi logits (64 MiB in fp32; 333 tokens for GPT-2's vocabulary).
 // Under no-grad (evaluation) only the loss is computed, chunk by chunk as well.
-// `masked`: targets of -100 carry no loss (cross_entropy's ignore_index) and the result is the sum over the others
-// divided by their count (at least 1: a batch with none gives 0, not NaN).
+// `masked`: targets of -100 carry no loss (cross_entropy's ignore_index) and the result is the sum over the others,
+// not a mean: the caller divides by the trained tokens of its whole step (no count, and no host read, here).
 torch::Tensor fused_linear_cross_entropy(const torch::Tensor& x, const torch::Tensor& weight,
                                          const torch::Tensor& target, int64_t chunk_rows = 0, bool masked = false);
 
