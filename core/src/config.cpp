@@ -344,6 +344,14 @@ std::vector<Entry> entries(Config& c) {
             choices::join(choices::dist_reduce) +
                 " (step: accumulate micro-batches locally and reduce once, least traffic; micro_batch: reduce after "
                 "each, least memory with zero_stage 2)", one_of(choices::dist_reduce)),
+      entry("dist.tensor_parallel", &dist.tensor_parallel,
+            "T: groups of T consecutive ranks split every block's attention (by head) and MLP (column then row), the "
+            "embedding and head by vocabulary (gpt, llama); ZeRO (dist.zero_stage) runs over the world / T groups across "
+            "them; 1 = none", at_least<int64_t>(1)),
+      entry("dist.sequence_parallel", &dist.sequence_parallel,
+            choices::join(choices::sequence_parallel) +
+                " (with dist.tensor_parallel > 1: between the split regions each rank keeps 1/T of the tokens, norms and "
+                "residuals included; auto = on)", one_of(choices::sequence_parallel)),
       entry("log.every", &l.every, "a log line every N steps", at_least<int64_t>(1)),
       entry("log.dir", &l.dir, "folder for run outputs"),
       entry("log.name", &l.name, "run name; empty = config file stem"),
@@ -689,6 +697,23 @@ void Config::validate() const {
   MEMTRAIN_CHECK(dist.offload_optimizer == "none" || train.precision != "fp16", ConfigError,
                  "[config] dist.offload_optimizer = cpu with train.precision = fp16 is not supported (the loss "
                  "scaler's inf check runs on the device); use bf16 or fp32");
+  if (dist.tensor_parallel > 1) {
+    const auto T = dist.tensor_parallel;
+    MEMTRAIN_CHECK(model.name == "gpt" || model.name == "llama", ConfigError, "[config] dist.tensor_parallel = ", T,
+                   " splits gpt and llama models; model.name is ", model.name);
+    MEMTRAIN_CHECK(lora.rank == 0 && train.freeze.empty(), ConfigError, "[config] dist.tensor_parallel = ", T,
+                   " with LoRA or train.freeze is not supported yet (adapters are not split with their base maps)");
+    MEMTRAIN_CHECK(parse_budget_mib(memory.budget_mib) == 0, ConfigError, "[config] dist.tensor_parallel = ", T,
+                   " with memory.budget_mib is not supported yet (the planner does not know T)");
+    MEMTRAIN_CHECK(memory.head == "plain", ConfigError, "[config] dist.tensor_parallel = ", T, " with memory.head = ",
+                   memory.head, ": the vocabulary-parallel head already keeps 1/T of the logits and takes the "
+                   "cross-entropy over slices; use memory.head = plain");
+    MEMTRAIN_CHECK(train.optimizer != "adamw8bit" && train.optimizer != "adamw4bit", ConfigError,
+                   "[config] dist.tensor_parallel = ", T, " with train.optimizer = ", train.optimizer,
+                   " is not supported yet (block-quantized state of a slice is not checkpointed); use adamw");
+    MEMTRAIN_CHECK(train.precision != "fp16", ConfigError, "[config] dist.tensor_parallel = ", T,
+                   " with train.precision = fp16 is not supported yet; use bf16 or fp32");
+  }
   const auto& b = memory.budget_mib;
   const bool planning = parse_budget_mib(b) != 0;  // its own grammar's check, with the recompute budget's below
   MEMTRAIN_CHECK(!planning || memory.recompute.rfind("budget:", 0) != 0, ConfigError,

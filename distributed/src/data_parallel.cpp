@@ -511,8 +511,24 @@ torch::Tensor DataParallel::clip_grad_norm(double max_norm, bool host_waits) {
   for (const auto& b : buckets_) grads.push_back(b->reduced);
   auto norms = torch::_foreach_norm(grads, 2);
   auto sq = torch::stack(norms).to(device_, torch::kFloat).pow(2).sum();  // offload: the sum goes up to the device
+  const auto& model = options_.model_group;
+  if (model && model->size() > 1) {
+    // Tensor parallel: a replicated parameter's gradient is on every rank of the model group; it counts 1/T on each,
+    // so that the sum over the group counts it once.
+    std::vector<torch::Tensor> replicated;
+    for (const auto& seg : segments_)
+      if (options_.replicated.count(seg.name) && seg.stepped.grad().defined()) replicated.push_back(seg.stepped.grad());
+    if (!replicated.empty()) {
+      auto rep = torch::stack(torch::_foreach_norm(replicated, 2)).to(device_, torch::kFloat).pow(2).sum();
+      sq = sq - rep * (1.0 - 1.0 / static_cast<double>(model->size()));
+    }
+  }
   if (options_.stage > 0) {  // stage 0: every rank holds the whole gradient
     auto sum = group_->all_reduce_sum_async(sq);
+    host_waits ? sum.wait_for_host() : sum.wait();
+  }
+  if (model && model->size() > 1) {
+    auto sum = model->all_reduce_sum_async(sq);
     host_waits ? sum.wait_for_host() : sum.wait();
   }
   auto total = sq.sqrt();
@@ -556,6 +572,10 @@ void DataParallel::group_broadcast(torch::Tensor& t, int root) {
 void DataParallel::all_reduce_found_inf(torch::Tensor& found_inf, bool host_waits) {
   auto max = group_->all_reduce_max_async(found_inf);
   host_waits ? max.wait_for_host() : max.wait();
+  if (options_.model_group && options_.model_group->size() > 1) {  // every rank of the grid skips, or none
+    auto grid = options_.model_group->all_reduce_max_async(found_inf);
+    host_waits ? grid.wait_for_host() : grid.wait();
+  }
 }
 
 void DataParallel::after_optimizer_step(const StepBucket& step_bucket) {

@@ -10,6 +10,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <algorithm>
 #include <iostream>
 #include <thread>
 
@@ -160,6 +161,30 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& world, const Pro
   } catch (const std::exception& e) {
     throw Error(detail::concat("[dist] rank ", world.rank, ": creating the ", backend, " process group of ",
                                world.world_size, " ranks failed: ", what_of(e)));
+  }
+  return g;
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::subgroup(const std::vector<int>& ranks, const std::string& name) const {
+  const auto at = std::find(ranks.begin(), ranks.end(), rank_);
+  MEMTRAIN_CHECK(at != ranks.end(), Error, "[dist] rank ", rank_, " is not in the ", name, " group it makes");
+  std::shared_ptr<ProcessGroup> g(new ProcessGroup());
+  g->rank_ = static_cast<int>(at - ranks.begin());
+  g->size_ = static_cast<int>(ranks.size());
+  g->timeout_ = timeout_;
+  g->backend_name_ = backend_name_;
+  g->store_ = store_;
+  auto store = c10::make_intrusive<c10d::PrefixStore>("memtrain/" + backend_name_ + "/" + name, store_);
+  try {
+    if (backend_name_ == "gloo") {
+      auto o = c10d::ProcessGroupGloo::Options::create_default(timeout_);
+      g->backend_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store, g->rank_, g->size_, o);
+    } else {
+      g->backend_ = detail::make_nccl_backend(store, g->rank_, g->size_, timeout_);
+    }
+  } catch (const std::exception& e) {
+    throw Error(detail::concat("[dist] rank ", rank_, ": creating the ", backend_name_, " ", name, " group of ",
+                               ranks.size(), " ranks failed: ", what_of(e)));
   }
   return g;
 }

@@ -13,6 +13,7 @@
 #include "memtrain/core/error.h"
 #include "memtrain/core/hugging_face_config.h"
 #include "memtrain/models/lora.h"
+#include "memtrain/models/tensor_parallel.h"
 
 namespace memtrain {
 
@@ -41,14 +42,37 @@ GPTOptions GPTOptions::preset(const std::string& name) {
   return o;
 }
 
-CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTOptions& o) : n_head(o.n_head), dropout(o.dropout) {
-  c_attn = register_module("c_attn", build_linear(o.n_embd, 3 * o.n_embd, o.bias, o.build));
-  c_proj = register_module("c_proj", build_linear(o.n_embd, o.n_embd, o.bias, o.build));
+namespace {
+// The tensor-parallel degree a GPT is built with (1: whole), checked against its shape.
+int64_t split_degree(const GPTOptions& o) {
+  const int64_t T = o.build.tp ? o.build.tp->size() : 1;
+  MEMTRAIN_CHECK(o.n_head % T == 0, ConfigError, "[config] dist.tensor_parallel = ", T, " must divide model.n_head = ",
+                 o.n_head, " (attention is split by heads)");
+  return T;
+}
+
+// A LayerNorm whose weight and bias are used on this rank's tokens (sequence parallel): their gradients summed over
+// the group. Otherwise the module's own forward.
+torch::Tensor layer_norm(torch::nn::LayerNormImpl& ln, const torch::Tensor& x, const TensorParallel* tp) {
+  if (!tp || !tp->sequence_parallel) return ln.forward(x);
+  return torch::layer_norm(x, ln.options.normalized_shape(), tensor_parallel_shared(ln.weight, tp),
+                           tensor_parallel_shared(ln.bias, tp), ln.options.eps());
+}
+
+}  // namespace
+
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTOptions& o)
+    : n_head(o.n_head / split_degree(o)), dropout(o.dropout), tp(o.build.tp.get()) {
+  const int64_t T = split_degree(o), local = o.n_embd / T;
+  c_attn = register_module("c_attn", build_linear(o.n_embd, 3 * local, o.bias, o.build));
+  c_proj = register_module("c_proj", build_linear(local, o.n_embd, o.bias, o.build));
   resid_drop = register_module("resid_drop", torch::nn::Dropout(o.dropout));
 }
 
-torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
-  const auto B = x.size(0), T = x.size(1), C = x.size(2);
+torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x_in) {
+  const auto x = tensor_parallel_enter(x_in, tp);  // split T: whole on every rank (sequence parallel: gathered)
+  const auto B = x.size(0), T = x.size(1);
+  const auto C = x.size(2) / (tp ? tp->size() : 1);  // this rank's heads' width
   auto qkv = detail::linear(x, *c_attn).split(C, /*dim=*/2);  // 3 x (B, T, C)
   auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_head, C / n_head}).transpose(1, 2); };
   const auto* packed = packed_layout();  // packed records: each attends to itself only
@@ -57,33 +81,43 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
                                             masked ? std::optional<torch::Tensor>(packed->mask) : std::nullopt,
                                             is_training() ? dropout : 0.0, /*is_causal=*/!masked);  // (B, nh, T, hs)
   y = y.transpose(1, 2).contiguous().view({B, T, C});
-  return resid_drop->forward(detail::linear(y, *c_proj));
+  return resid_drop->forward(tp ? row_parallel_linear(y, c_proj->weight, c_proj->bias, tp) : detail::linear(y, *c_proj));
 }
 
-MLPBlockImpl::MLPBlockImpl(const GPTOptions& o) {
-  c_fc = register_module("c_fc", build_linear(o.n_embd, 4 * o.n_embd, o.bias, o.build));
-  c_proj = register_module("c_proj", build_linear(4 * o.n_embd, o.n_embd, o.bias, o.build));
+MLPBlockImpl::MLPBlockImpl(const GPTOptions& o) : tp(o.build.tp.get()) {
+  const int64_t T = split_degree(o);
+  MEMTRAIN_CHECK(4 * o.n_embd % T == 0, ConfigError, "[config] dist.tensor_parallel = ", T, " must divide the MLP's width ",
+                 4 * o.n_embd);
+  c_fc = register_module("c_fc", build_linear(o.n_embd, 4 * o.n_embd / T, o.bias, o.build));
+  c_proj = register_module("c_proj", build_linear(4 * o.n_embd / T, o.n_embd, o.bias, o.build));
   drop = register_module("drop", torch::nn::Dropout(o.dropout));
 }
 
 torch::Tensor MLPBlockImpl::forward(const torch::Tensor& x) {
   // GPT-2's GELU is the tanh approximation.
-  auto h = torch::gelu(detail::linear(x, *c_fc), "tanh");
-  return drop->forward(detail::linear(h, *c_proj));
+  auto h = torch::gelu(detail::linear(tensor_parallel_enter(x, tp), *c_fc), "tanh");
+  return drop->forward(tp ? row_parallel_linear(h, c_proj->weight, c_proj->bias, tp) : detail::linear(h, *c_proj));
 }
 
-TransformerBlockImpl::TransformerBlockImpl(const GPTOptions& o) {
+TransformerBlockImpl::TransformerBlockImpl(const GPTOptions& o) : tp(o.build.tp.get()) {
   ln_1 = register_module("ln_1", build_layer_norm(o.n_embd, o.build));
   attn = register_module("attn", CausalSelfAttention(o));
   ln_2 = register_module("ln_2", build_layer_norm(o.n_embd, o.build));
   mlp = register_module("mlp", MLPBlock(o));
 }
 
+torch::Tensor TransformerBlockImpl::attn_part(const torch::Tensor& x) { return x + attn->forward(layer_norm(*ln_1, x, tp)); }
+torch::Tensor TransformerBlockImpl::mlp_part(const torch::Tensor& x) { return x + mlp->forward(layer_norm(*ln_2, x, tp)); }
+
 GPT::GPT(const GPTOptions& options) : options_(options) {
   const auto& o = options_;
   MEMTRAIN_CHECK(o.n_embd % o.n_head == 0, Error, "[model] n_embd ", o.n_embd, " is not a multiple of n_head ", o.n_head);
   MEMTRAIN_CHECK(o.vocab_size > 0, Error, "[model] vocab_size must be > 0, got ", o.vocab_size);
-  wte = register_module("wte", build_embedding(o.vocab_size, o.n_embd, o.build));
+  const int64_t T = split_degree(o);
+  MEMTRAIN_CHECK(T == 1 || o.build.shapes_only, Error, "[model] a tensor-parallel GPT is built from shapes");
+  const auto rows = split_range(o.vocab_size, o.build.tp ? o.build.tp->rank() : 0, static_cast<int>(T));
+  vocab_begin_ = rows.begin;
+  wte = register_module("wte", build_embedding(rows.count, o.n_embd, o.build));
   wpe = register_module("wpe", build_embedding(o.block_size, o.n_embd, o.build));
   drop = register_module("drop", torch::nn::Dropout(o.dropout));
   h = register_module("h", torch::nn::ModuleList());
@@ -119,7 +153,12 @@ torch::Tensor GPT::embed(const torch::Tensor& idx) {
   auto pos = packed && packed->positions.sizes() == idx.sizes()
                  ? packed->positions
                  : torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
-  return drop->forward(wte->forward(idx) + wpe->forward(pos));
+  const auto* tp = tensor_parallel();
+  if (!tp) return drop->forward(wte->forward(idx) + wpe->forward(pos));
+  // Split T: this rank's vocabulary rows, summed over the group (sequence parallel: this rank's tokens of the sum).
+  auto tokens = tensor_parallel_exit(vocab_parallel_lookup(idx, wte->weight, vocab_begin_), tp);
+  auto positions = at::embedding(tensor_parallel_shared(wpe->weight, tp), tensor_parallel_local_tokens(pos.expand(idx.sizes()), tp));
+  return drop->forward(tokens + positions);
 }
 
 torch::Tensor GPT::block_part(int64_t i, size_t part, const torch::Tensor& h) {
@@ -129,7 +168,34 @@ torch::Tensor GPT::block_part(int64_t i, size_t part, const torch::Tensor& h) {
 std::vector<torch::Tensor> GPT::block_parameters(int64_t i) const { return blocks[i]->parameters(); }
 
 torch::Tensor GPT::head(const torch::Tensor& h) {
-  return detail::linear(ln_f->forward(h), wte->weight);  // tied output head
+  const auto* tp = tensor_parallel();
+  if (!tp) return detail::linear(ln_f->forward(h), wte->weight);  // tied output head
+  // Split T: logits of this rank's vocabulary rows, (B, T, V_r), for vocab_parallel_cross_entropy.
+  return detail::linear(tensor_parallel_enter(layer_norm(*ln_f, h, tp), tp), wte->weight);
+}
+
+torch::Tensor GPT::loss(const torch::Tensor& output, const torch::Tensor& target) const {
+  const auto* tp = tensor_parallel();
+  if (!tp) return Model::loss(output, target);
+  return vocab_parallel_cross_entropy(output.reshape({-1, output.size(-1)}), target.reshape({-1}), vocab_begin_, tp, false);
+}
+
+torch::Tensor GPT::loss_sum(const torch::Tensor& output, const torch::Tensor& target) const {
+  const auto* tp = tensor_parallel();
+  if (!tp) return Model::loss_sum(output, target);
+  return vocab_parallel_cross_entropy(output.reshape({-1, output.size(-1)}), target.reshape({-1}), vocab_begin_, tp, true);
+}
+
+TensorSplit GPT::tensor_split(const std::string& name) const {
+  if (!tensor_parallel()) return {};
+  const int64_t C = options_.n_embd;
+  auto ends = [&](const char* suffix) { return name.ends_with(suffix); };
+  if (name == "wte.weight") return {.dim = 0, .chunks = 1, .whole = options_.vocab_size};
+  if (ends(".attn.c_attn.weight") || ends(".attn.c_attn.bias")) return {.dim = 0, .chunks = 3, .whole = 3 * C};
+  if (ends(".attn.c_proj.weight")) return {.dim = 1, .chunks = 1, .whole = C};
+  if (ends(".mlp.c_fc.weight") || ends(".mlp.c_fc.bias")) return {.dim = 0, .chunks = 1, .whole = 4 * C};
+  if (ends(".mlp.c_proj.weight")) return {.dim = 1, .chunks = 1, .whole = 4 * C};
+  return {};  // norms, position embeddings, the row-parallel maps' biases: whole on every rank
 }
 
 double GPT::train_flops_per_token() const {

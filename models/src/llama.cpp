@@ -81,7 +81,20 @@ int64_t LlamaOptions::root_parameter_count() const { return vocab_size * n_embd 
 
 int64_t LlamaOptions::parameter_count() const { return n_layer * block_parameter_count() + root_parameter_count(); }
 
-RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, const ParameterBuild& build) : eps(eps_) {
+namespace {
+// The tensor-parallel degree a Llama is built with (1: whole), checked against its shape.
+int64_t split_degree(const LlamaOptions& o) {
+  const int64_t T = o.build.tp ? o.build.tp->size() : 1;
+  MEMTRAIN_CHECK(o.n_head % T == 0 && o.n_kv_head % T == 0, ConfigError, "[config] dist.tensor_parallel = ", T,
+                 " must divide model.n_head = ", o.n_head, " and model.n_kv_head = ", o.n_kv_head,
+                 " (attention is split by heads; grouped key/value heads are not replicated)");
+  MEMTRAIN_CHECK(o.ffn_hidden % T == 0, ConfigError, "[config] dist.tensor_parallel = ", T,
+                 " must divide the MLP's width model.ffn_hidden = ", o.ffn_hidden);
+  return T;
+}
+}  // namespace
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, const ParameterBuild& build) : eps(eps_), tp(build.tp.get()) {
   weight = register_parameter("weight", ones_or_shapes(dim, build));
 }
 
@@ -89,11 +102,12 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   // As transformers' LlamaRMSNorm: normalised in fp32, cast back to the input's dtype, then scaled.
   auto x32 = x.to(torch::kFloat);
   auto normed = x32 * torch::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return weight * normed.to(x.scalar_type());
+  return tensor_parallel_shared(weight, tp) * normed.to(x.scalar_type());
 }
 
 LlamaAttentionImpl::LlamaAttentionImpl(const LlamaOptions& o)
-    : n_head(o.n_head), n_kv_head(o.n_kv_head), head_dim(o.head_dim()) {
+    : n_head(o.n_head / split_degree(o)), n_kv_head(o.n_kv_head / split_degree(o)), head_dim(o.head_dim()),
+      tp(o.build.tp.get()) {
   auto linear = [&](int64_t in, int64_t out, bool bias) { return build_linear(in, out, bias, o.build); };
   q_proj = register_module("q_proj", linear(o.n_embd, n_head * head_dim, o.qkv_bias));
   k_proj = register_module("k_proj", linear(o.n_embd, n_kv_head * head_dim, o.qkv_bias));
@@ -110,7 +124,8 @@ torch::Tensor apply_rotary(const torch::Tensor& x, const RotaryTables& rope) {
 }
 }  // namespace
 
-torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const RotaryTables& rope) {
+torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x_in, const RotaryTables& rope) {
+  const auto x = tensor_parallel_enter(x_in, tp);  // split T: whole on every rank (sequence parallel: gathered)
   const auto B = x.size(0), T = x.size(1);
   auto heads = [&](const torch::Tensor& t, int64_t n) { return t.view({B, T, n, head_dim}).transpose(1, 2); };
   auto q = apply_rotary(heads(detail::linear(x, *q_proj), n_head), rope);     // (B, nh, T, hd)
@@ -122,19 +137,22 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const RotaryTa
                                             /*dropout_p=*/0.0, /*is_causal=*/!masked, /*scale=*/std::nullopt,
                                             /*enable_gqa=*/n_kv_head != n_head);
   y = y.transpose(1, 2).reshape({B, T, n_head * head_dim});
-  return detail::linear(y, *o_proj);
+  return tp ? row_parallel_linear(y, o_proj->weight, o_proj->bias, tp) : detail::linear(y, *o_proj);
 }
 
-LlamaMLPImpl::LlamaMLPImpl(const LlamaOptions& o) {
+LlamaMLPImpl::LlamaMLPImpl(const LlamaOptions& o) : tp(o.build.tp.get()) {
   auto linear = [&](int64_t in, int64_t out) { return build_linear(in, out, o.mlp_bias, o.build); };
-  gate_proj = register_module("gate_proj", linear(o.n_embd, o.ffn_hidden));
-  up_proj = register_module("up_proj", linear(o.n_embd, o.ffn_hidden));
-  down_proj = register_module("down_proj", linear(o.ffn_hidden, o.n_embd));
+  const int64_t F = o.ffn_hidden / split_degree(o);
+  gate_proj = register_module("gate_proj", linear(o.n_embd, F));
+  up_proj = register_module("up_proj", linear(o.n_embd, F));
+  down_proj = register_module("down_proj", linear(F, o.n_embd));
 }
 
-torch::Tensor LlamaMLPImpl::forward(const torch::Tensor& x) {
+torch::Tensor LlamaMLPImpl::forward(const torch::Tensor& x_in) {
+  const auto x = tensor_parallel_enter(x_in, tp);
   auto gate = torch::silu(detail::linear(x, *gate_proj));
-  return detail::linear(gate * detail::linear(x, *up_proj), *down_proj);
+  auto product = gate * detail::linear(x, *up_proj);
+  return tp ? row_parallel_linear(product, down_proj->weight, down_proj->bias, tp) : detail::linear(product, *down_proj);
 }
 
 LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaOptions& o) {
@@ -145,7 +163,8 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaOptions& o) {
 }
 
 LlamaBodyImpl::LlamaBodyImpl(const LlamaOptions& o) {
-  embed_tokens = register_module("embed_tokens", build_embedding(o.vocab_size, o.n_embd, o.build));
+  const auto rows = split_range(o.vocab_size, o.build.tp ? o.build.tp->rank() : 0, static_cast<int>(split_degree(o)));
+  embed_tokens = register_module("embed_tokens", build_embedding(rows.count, o.n_embd, o.build));
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < o.n_layer; ++i) {
     blocks.push_back(LlamaDecoderLayer(o));
@@ -164,9 +183,13 @@ Llama::Llama(const LlamaOptions& options) : options_(options) {
                  o.ffn_hidden, " must be > 0");
   MEMTRAIN_CHECK(o.rope_scaling.type == "none" || o.rope_scaling.type == "llama3", Error,
                  "[model] rope scaling '", o.rope_scaling.type, "' is not implemented; expected none | llama3");
+  const int64_t T = split_degree(o);
+  MEMTRAIN_CHECK(T == 1 || o.build.shapes_only, Error, "[model] a tensor-parallel Llama is built from shapes");
+  const auto rows = split_range(o.vocab_size, o.build.tp ? o.build.tp->rank() : 0, static_cast<int>(T));
+  vocab_begin_ = rows.begin;
   model = register_module("model", LlamaBody(o));
   if (!o.tie_embeddings)
-    lm_head = register_module("lm_head", build_linear(o.n_embd, o.vocab_size, false, o.build));
+    lm_head = register_module("lm_head", build_linear(o.n_embd, rows.count, false, o.build));
   if (o.build.shapes_only) return;  // no memory yet: the trainer fills each rank's share
 
   // transformers' LlamaPreTrainedModel._init_weights: N(0, initializer_range = 0.02) for every Linear and
@@ -217,7 +240,10 @@ torch::Tensor Llama::embed(const torch::Tensor& idx) {
   const auto T = idx.size(1);
   MEMTRAIN_CHECK(T <= options_.block_size, Error, "[model] sequence of ", T, " tokens is longer than block_size ",
                  options_.block_size);
-  return model->embed_tokens->forward(idx);
+  const auto* tp = tensor_parallel();
+  if (!tp) return model->embed_tokens->forward(idx);
+  // Split T: this rank's vocabulary rows, summed over the group (sequence parallel: this rank's tokens of the sum).
+  return tensor_parallel_exit(vocab_parallel_lookup(idx, model->embed_tokens->weight, vocab_begin_), tp);
 }
 
 torch::Tensor Llama::block_part(int64_t i, size_t part, const torch::Tensor& h) {
@@ -227,12 +253,15 @@ torch::Tensor Llama::block_part(int64_t i, size_t part, const torch::Tensor& h) 
     const auto dtype = at::autocast::is_autocast_enabled(h.device().type())
                            ? at::autocast::get_autocast_dtype(h.device().type())
                            : x.scalar_type();
-    const auto& rope = rotary(h.size(1), h.device(), dtype);
+    // The rotary tables cover the whole sequence: attention runs on every token (sequence parallel: gathered).
+    const auto* tp = tensor_parallel();
+    const int64_t T = h.size(1) * (tp && tp->sequence_parallel ? tp->size() : 1);
+    const auto& rope = rotary(T, h.device(), dtype);
     const auto* packed = packed_layout();
-    if (packed && packed->positions.size(0) == h.size(0) && packed->positions.size(1) == h.size(1)) {
+    if (packed && packed->positions.size(0) == h.size(0) && packed->positions.size(1) == T) {
       // Packed records: each token's row of the tables at its position in its record, (B, 1, T, hd).
       const auto at = [&](const torch::Tensor& table) {
-        return table.index_select(0, packed->positions.reshape({-1})).view({h.size(0), 1, h.size(1), table.size(-1)});
+        return table.index_select(0, packed->positions.reshape({-1})).view({h.size(0), 1, T, table.size(-1)});
       };
       return h + layer->self_attn->forward(x, RotaryTables{at(rope.cos), at(rope.sin)});
     }
@@ -249,7 +278,36 @@ std::optional<std::pair<torch::Tensor, torch::Tensor>> Llama::head_features(cons
 
 torch::Tensor Llama::head(const torch::Tensor& h) {
   auto [features, weight] = *head_features(h);
-  return detail::linear(features, weight);
+  // Split T: logits of this rank's vocabulary rows, (B, T, V_r), for vocab_parallel_cross_entropy.
+  return detail::linear(tensor_parallel_enter(features, tensor_parallel()), weight);
+}
+
+torch::Tensor Llama::loss(const torch::Tensor& output, const torch::Tensor& target) const {
+  const auto* tp = tensor_parallel();
+  if (!tp) return Model::loss(output, target);
+  return vocab_parallel_cross_entropy(output.reshape({-1, output.size(-1)}), target.reshape({-1}), vocab_begin_, tp, false);
+}
+
+torch::Tensor Llama::loss_sum(const torch::Tensor& output, const torch::Tensor& target) const {
+  const auto* tp = tensor_parallel();
+  if (!tp) return Model::loss_sum(output, target);
+  return vocab_parallel_cross_entropy(output.reshape({-1, output.size(-1)}), target.reshape({-1}), vocab_begin_, tp, true);
+}
+
+TensorSplit Llama::tensor_split(const std::string& name) const {
+  if (!tensor_parallel()) return {};
+  const auto& o = options_;
+  const int64_t q = o.n_head * o.head_dim(), kv = o.n_kv_head * o.head_dim();
+  auto ends = [&](const char* suffix) { return name.ends_with(suffix); };
+  auto column = [&](int64_t whole) { return TensorSplit{.dim = 0, .chunks = 1, .whole = whole}; };
+  if (name == "model.embed_tokens.weight" || name == "lm_head.weight") return column(o.vocab_size);
+  if (ends(".q_proj.weight") || ends(".q_proj.bias")) return column(q);
+  if (ends(".k_proj.weight") || ends(".k_proj.bias") || ends(".v_proj.weight") || ends(".v_proj.bias")) return column(kv);
+  if (ends(".o_proj.weight")) return {.dim = 1, .chunks = 1, .whole = q};
+  if (ends(".gate_proj.weight") || ends(".gate_proj.bias") || ends(".up_proj.weight") || ends(".up_proj.bias"))
+    return column(o.ffn_hidden);
+  if (ends(".down_proj.weight")) return {.dim = 1, .chunks = 1, .whole = o.ffn_hidden};
+  return {};  // norms, the row-parallel maps' biases: whole on every rank
 }
 
 double Llama::train_flops_per_token() const {

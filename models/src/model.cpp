@@ -48,6 +48,12 @@ torch::Tensor Model::loss(const torch::Tensor& output, const torch::Tensor& targ
                                               target.reshape({-1}));
 }
 
+torch::Tensor Model::loss_sum(const torch::Tensor& output, const torch::Tensor& target) const {
+  return torch::nn::functional::cross_entropy(
+      output.reshape({-1, output.size(-1)}).to(torch::kFloat), target.reshape({-1}),
+      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(-100));
+}
+
 int64_t Model::num_parameters() const {
   std::set<const void*> seen;
   int64_t n = 0;

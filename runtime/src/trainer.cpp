@@ -72,7 +72,7 @@ void ModelBuffers::restore(torch::nn::Module& module) {
 class InitialValues {
  public:
   InitialValues(const Config& config, Model& model, const std::map<std::string, torch::Tensor>& adapters)
-      : config_(config), adapters_(adapters), init_(model_family(config.model.name).init) {
+      : config_(config), model_(model), adapters_(adapters), init_(model_family(config.model.name).init) {
     for (const auto& item : model.named_parameters()) shapes_[item.key()] = item.value().sizes().vec();
     if (!config.model.init_from.empty()) weights_ = std::make_unique<HuggingFaceWeights>(model, config.model.init_from);
   }
@@ -81,8 +81,21 @@ class InitialValues {
     into(out, name, begin);
     return out;
   }
-  // The same into `out` (fp32, contiguous, on the CPU): elements [begin, begin + out.numel()).
+  // The same into `out` (fp32, contiguous, on the CPU): elements [begin, begin + out.numel()). A tensor-parallel slice's
+  // elements are those of the whole parameter at the slice's place in it, so that a split model starts as the whole.
   void into(const torch::Tensor& out, const std::string& name, int64_t begin) {
+    const auto split = model_.tensor_split(name);
+    if (!split.split()) return into_whole(out, name, begin);
+    const auto* tp = model_.tensor_parallel();
+    const auto flat = out.view({-1});
+    for_each_whole_run(split, shapes_.at(name), tp->rank(), tp->size(), begin, begin + out.numel(),
+                       [&](int64_t local, int64_t whole, int64_t n) { into_whole(flat.slice(0, local - begin, local - begin + n), name, whole); });
+  }
+  HuggingFaceWeights* weights() { return weights_.get(); }
+  int64_t drawn() const { return drawn_; }  // random values drawn so far
+
+ private:
+  void into_whole(const torch::Tensor& out, const std::string& name, int64_t begin) {
     const int64_t end = begin + out.numel();
     if (weights_ && !is_lora_parameter(name)) {
       out.copy_(weights_->read(name, begin, end).reshape({-1}));
@@ -102,11 +115,9 @@ class InitialValues {
     fill_initial(out, spec, static_cast<uint64_t>(config_.train.seed), name, begin);
     if (spec.kind == InitSpec::Kind::kNormal || spec.kind == InitSpec::Kind::kUniform) drawn_ += end - begin;
   }
-  HuggingFaceWeights* weights() { return weights_.get(); }
-  int64_t drawn() const { return drawn_; }  // random values drawn so far
 
- private:
   const Config& config_;
+  const Model& model_;
   const std::map<std::string, torch::Tensor>& adapters_;
   std::function<InitSpec(const ModelConfig&, const std::string&)> init_;
   std::map<std::string, std::vector<int64_t>> shapes_;
@@ -120,7 +131,9 @@ Trainer::Trainer(const Config& config, const World& world) : config_(config), wo
   const int64_t resident_at_start = cpu_memory::resident_bytes();
   const auto run_device = resolve_device(config_.train.device, world_.local_rank);
   if (run_device.is_cuda()) reset_peak(run_device);  // and the device's: the setup's own
-  data_ = make_dataset(config_, {world_.rank, world_.world_size});
+  // Tensor parallel: the ranks of one group train on the same samples; the data is split over the data-parallel ranks.
+  const auto dims = ParallelDims::of(config_.dist, world_.world_size);
+  data_ = make_dataset(config_, {dims.dp_rank(world_.rank), dims.dp});
   check_fits_before_building();  // nothing of the model allocated yet
   torch::manual_seed(static_cast<uint64_t>(config_.train.seed));  // what the table does not cover depends on the seed alone
   // A family with a table of initial values (GPT, Llama, Phi-3) is built from shapes, in train.param_dtype on the
@@ -135,6 +148,8 @@ Trainer::Trainer(const Config& config, const World& world) : config_(config), wo
     how = {.shapes_only = true,
            .dtype = config_.train.param_dtype == "bf16" ? torch::kBFloat16 : torch::kFloat,
            .device = run_device};
+  setup_tensor_parallel();  // dist.tensor_parallel: the groups, before the model that is split over one
+  how.tp = tp_;
   model_ = make_model(config_.model, data_->info(), how);
   setup();
   // The masters (bf16 parameters: fp32, from the fp32 values) and, under ZeRO-3, the parts: this rank's segments.
@@ -257,6 +272,9 @@ std::string Trainer::nf4_record() const {
 Trainer::Trainer(const Config& config, std::shared_ptr<Model> model, std::shared_ptr<Dataset> data, const World& world)
     : config_(config), world_(world), model_(std::move(model)), data_(std::move(data)) {
   MEMTRAIN_CHECK(model_ && data_, Error, "[trainer] a model and a dataset are required");
+  MEMTRAIN_CHECK(config_.dist.tensor_parallel == 1, ConfigError, "[config] dist.tensor_parallel = ",
+                 config_.dist.tensor_parallel, " needs a model memtrain builds from the config (gpt, llama): an embedder's "
+                 "own model is not split");
   setup();
 }
 
@@ -276,10 +294,7 @@ torch::Tensor Trainer::forward_loss(const Batch& batch, torch::Tensor* logits) {
   }
   auto out = model_->head(h);
   if (logits) *logits = out;
-  if (!masked) return model_->loss(out, batch.target);
-  return torch::nn::functional::cross_entropy(
-      out.reshape({-1, out.size(-1)}).to(torch::kFloat), batch.target.reshape({-1}),
-      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(-100));
+  return masked ? model_->loss_sum(out, batch.target) : model_->loss(out, batch.target);
 }
 
 void Trainer::mark_gradients() const {
@@ -477,7 +492,7 @@ StepResult Trainer::attempt_step() {
   // depend on what ran before it in the process (another trainer, an evaluation), a resumed run repeats
   // them, and ranks draw different masks for their different samples.
   torch::manual_seed(static_cast<uint64_t>(t.seed) * 1000003u + static_cast<uint64_t>(step_) +
-                     static_cast<uint64_t>(world_.rank) * 0x9E3779B97F4A7C15ull);
+                     static_cast<uint64_t>(dims_.dp_rank(world_.rank)) * 0x9E3779B97F4A7C15ull);
   // 1-2. Micro-batches (forward, backward; several ranks: the buckets reduced as they fill).
   const auto loss_sum = run_micro_batches();
   // Deferred reads: the last step's flags, now that this step's forward and backward are queued (on a GPU
@@ -531,7 +546,7 @@ torch::Tensor Trainer::run_micro_batches() {
       std::optional<PackedScope> packed;  // packed records: their layout for this forward and its backward
       if (batch.positions.defined()) packed.emplace(batch.positions, batch.documents);
       auto loss = step_tokens > 0
-                      ? forward_loss(batch) * (static_cast<double>(world_.world_size) / step_tokens)
+                      ? forward_loss(batch) * (static_cast<double>(dims_.dp) / step_tokens)
                   : split_ == 1 ? forward_loss(batch) / static_cast<double>(t.accum_steps)
                                 : forward_loss(batch) * (static_cast<double>(inputs[piece].size(0)) /
                                                          static_cast<double>(whole.input.size(0) * t.accum_steps));
@@ -715,8 +730,9 @@ EvalResult Trainer::evaluate(const std::vector<Batch>& batches) {
   if (dp_) dp_->release_all(), dp_->not_step_traffic(traffic);
   // Every rank evaluated its own part: sums over ranks.
   const auto sums = agreement().sum({loss_sum, correct, static_cast<double>(e.samples)});
-  loss_sum = sums[0];
-  e.samples = static_cast<int64_t>(sums[2]);
+  // Tensor parallel: the ranks of a group evaluated the same samples; each counted them once.
+  loss_sum = sums[0] / dims_.tp;
+  e.samples = static_cast<int64_t>(sums[2]) / dims_.tp;
   e.loss = std::numeric_limits<double>::quiet_NaN();  // no held-out data (val_fraction = 0)
   if (e.samples > 0) {
     e.loss = loss_sum / static_cast<double>(e.samples);
@@ -757,7 +773,7 @@ void Trainer::fit() {
   resume_or_refuse();
   if (ck.save_initial && step_ == 0) {  // stage 3: every rank takes part in gathering, rank 0 writes
     const auto path = (fs::path(ckpt_dir_) / "initial.safetensors").string();
-    if ((dp_ && dims_.gathers_parameters()) || world_.is_main()) save_weights(path);
+    if ((dp_ && dims_.gathers_parameters()) || tp_ || world_.is_main()) save_weights(path);
     if (world_.is_main()) std::cout << "initial weights: " << path << "\n";
   }
   const detail::StopSignals signals;  // SIGTERM / SIGINT: save after this step and return
@@ -805,7 +821,7 @@ void Trainer::finish(RunReport& report) {
   if (agreement().any(!test_batches.empty())) test = evaluate(test_batches);
   // Stage 3: every rank takes part in gathering the weights, unit by unit, for rank 0 to write.
   const auto weights = (fs::path(ckpt_dir_) / "model.safetensors").string();
-  const bool stage3 = dp_ && dims_.gathers_parameters();
+  const bool stage3 = (dp_ && dims_.gathers_parameters()) || tp_;  // (or tensor parallel: the slices gathered)
   if (ck.save_final && stage3) save_weights(weights);
   report.finish(val, test);
   if (ck.save_final && !stage3 && world_.is_main()) save_weights(weights);
@@ -846,21 +862,74 @@ void Trainer::make_output_folders() const {
     probe(ckpt_dir_, "checkpoint.dir");
 }
 
+torch::Tensor Trainer::whole_parameter(const std::string& name, const torch::Tensor& local) {
+  const auto split = model_->tensor_split(name);
+  if (!tp_ || !split.split()) return local;
+  // Every rank's slice, flattened and padded to the longest (an uneven vocabulary), all-gathered; then each slice's
+  // runs put at their place in the whole.
+  const int T = tp_->size();
+  auto sizes_of = [&](int r) {
+    auto sizes = local.sizes().vec();
+    sizes[static_cast<size_t>(split.dim)] = split_size(split, r, T);
+    return sizes;
+  };
+  int64_t longest = 0;
+  for (int r = 0; r < T; ++r) longest = std::max(longest, c10::multiply_integers(sizes_of(r)));
+  auto mine = torch::zeros({longest}, local.options());
+  mine.slice(0, 0, local.numel()).copy_(local.reshape({-1}));
+  auto all = torch::empty({T * longest}, local.options());
+  tp_->group->all_gather(all, mine);
+  auto whole = torch::empty(whole_sizes(split, local.sizes()), local.options());
+  auto flat = whole.view({-1});
+  for (int r = 0; r < T; ++r) {
+    const auto sizes = sizes_of(r);
+    for_each_whole_run(split, sizes, r, T, 0, c10::multiply_integers(sizes), [&](int64_t l, int64_t w, int64_t n) {
+      flat.slice(0, w, w + n).copy_(all.slice(0, r * longest + l, r * longest + l + n));
+    });
+  }
+  return whole;
+}
+
+torch::Tensor Trainer::local_slice(const std::string& name, const torch::Tensor& whole, c10::IntArrayRef local_sizes,
+                                   int64_t begin, int64_t end) const {
+  const auto flat = whole.reshape({-1});
+  const auto split = model_->tensor_split(name);
+  if (!tp_ || !split.split()) return flat.slice(0, begin, end);
+  auto out = torch::empty({end - begin}, flat.options());
+  for_each_whole_run(split, local_sizes, tp_->rank(), tp_->size(), begin, end, [&](int64_t l, int64_t w, int64_t n) {
+    out.slice(0, l - begin, l - begin + n).copy_(flat.slice(0, w, w + n));
+  });
+  return out;
+}
+
 void Trainer::save_weights(const std::string& path) {
   // Stage 3: full copies by the trainer's parameter names; a tied parameter's other names find its copy
   // by TensorImpl.
-  auto full = dp_ ? dp_->full_parameters(world_.is_main()) : std::map<std::string, torch::Tensor>{};
-  if (!world_.is_main() && dp_ && dims_.gathers_parameters()) return;
+  // Tensor parallel: the first data-parallel rank of each tensor-parallel rank keeps its slices, which its group gathers.
+  const bool keeps = tp_ ? dp_rank() == 0 : world_.is_main();
+  auto full = dp_ ? dp_->full_parameters(keeps) : std::map<std::string, torch::Tensor>{};
+  if (!keeps && dp_ && (dims_.gathers_parameters() || tp_)) return;
   std::map<const void*, torch::Tensor> by_impl;
   for (size_t i = 0; i < params_.size(); ++i)
     if (auto it = full.find(param_names_[i]); it != full.end()) by_impl[params_[i].unsafeGetTensorImpl()] = it->second;
   for (size_t i = 0; i < frozen_.size(); ++i)
     if (auto it = full.find(frozen_names_[i]); it != full.end()) by_impl[frozen_[i].unsafeGetTensorImpl()] = it->second;
   std::map<std::string, torch::Tensor> tensors;
+  std::set<const void*> seen;
   for (const auto& item : model_->named_parameters()) {
     auto it = by_impl.find(item.value().unsafeGetTensorImpl());
-    tensors.emplace(item.key(), it != by_impl.end() ? it->second : item.value());
+    const auto& value = it != by_impl.end() ? it->second : item.value();
+    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;  // a tied weight: whole once, below
+    tensors.emplace(item.key(), tp_ ? whole_parameter(item.key(), value) : value);
   }
+  for (const auto& item : model_->named_parameters())  // tied names: the same whole tensor
+    if (!tensors.count(item.key()))
+      for (const auto& other : model_->named_parameters())
+        if (other.value().unsafeGetTensorImpl() == item.value().unsafeGetTensorImpl() && tensors.count(other.key())) {
+          tensors.emplace(item.key(), tensors.at(other.key()));
+          break;
+        }
+  if (!world_.is_main()) return;  // tensor parallel: the others gave their slices
   for (const auto& item : model_->named_buffers()) tensors.emplace(item.key(), item.value());
   save_safetensors(path, tensors, {{"format", "memtrain-weights"}, {"version", "1"}, {"step", std::to_string(step_)}});
 }

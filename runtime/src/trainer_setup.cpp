@@ -69,6 +69,50 @@ class TraceBlocks : public BlockHooks {
   int64_t open_ = -1;
 };
 
+// The collectives a split model runs (models/tensor_parallel.h), over this rank's tensor-parallel group.
+class GroupCollectives : public TensorParallelGroup {
+ public:
+  explicit GroupCollectives(std::shared_ptr<ProcessGroup> group) : group_(std::move(group)) {}
+  int rank() const override { return group_->rank(); }
+  int size() const override { return group_->size(); }
+  void all_reduce_sum(torch::Tensor& t) override { group_->all_reduce_sum_async(t).wait(); }
+  void all_reduce_max(torch::Tensor& t) override { group_->all_reduce_max_async(t).wait(); }
+  void all_gather(torch::Tensor& out, const torch::Tensor& in) override {
+    auto input = in;
+    group_->all_gather_async(out, input).wait();
+  }
+  void reduce_scatter(torch::Tensor& out, const torch::Tensor& in) override {
+    auto input = in;
+    group_->reduce_scatter_sum_async(out, input).wait();
+  }
+
+ private:
+  std::shared_ptr<ProcessGroup> group_;
+};
+
+void Trainer::setup_tensor_parallel() {
+  // dist.tensor_parallel = T: groups of T consecutive ranks split the model; the ranks with the same place in their
+  // groups form the data-parallel groups (ZeRO runs over those). Every rank makes its tensor-parallel group, then its
+  // data-parallel group, on the world's store.
+  const auto dims = ParallelDims::of(config_.dist, world_.world_size);
+  if (dims.tp == 1) return;
+  const auto& d = config_.dist;
+  const auto device = resolve_device(config_.train.device, world_.local_rank);
+  group_ = ProcessGroup::create(world_, {.backend = d.backend, .timeout = std::chrono::seconds(d.timeout_s), .device = device});
+  const int r = world_.rank, group = dims.dp_rank(r), place = dims.tp_rank(r);
+  std::vector<int> tensor_ranks, data_ranks;
+  for (int i = 0; i < dims.tp; ++i) tensor_ranks.push_back(group * dims.tp + i);
+  for (int i = 0; i < dims.dp; ++i) data_ranks.push_back(i * dims.tp + place);
+  tp_group_ = group_->subgroup(tensor_ranks, "tensor" + std::to_string(group));
+  dp_group_ = group_->subgroup(data_ranks, "data" + std::to_string(place));
+  tp_ = std::make_shared<TensorParallel>(
+      TensorParallel{.group = std::make_shared<GroupCollectives>(tp_group_), .sequence_parallel = dims.sequence_parallel});
+  if (world_.is_main())
+    std::cout << "parallel:   " << dims.world << " ranks: " << dims.dp << " data-parallel x " << dims.tp
+              << " tensor-parallel (groups of consecutive ranks)"
+              << (dims.sequence_parallel ? ", sequence parallel between the split regions" : "") << "\n";
+}
+
 // A backward's end for the trace (trainer.cpp holds TraceBlocks only by pointer).
 void end_backward_span(TraceBlocks* t) {
   if (t) t->end_backward();
@@ -242,7 +286,7 @@ void Trainer::setup_units() {
 void Trainer::setup_group() {
   // Before the plan: where ranks could decide differently (the planner's measurements, its budget), rank 0
   // decides and publishes through the group. One process makes its group of one (offload) in step 8.
-  if (world_.world_size == 1) return;
+  if (world_.world_size == 1 || group_) return;  // (tensor parallel: made before the model)
   const auto& d = config_.dist;
   group_ = ProcessGroup::create(world_, {.backend = d.backend, .timeout = std::chrono::seconds(d.timeout_s), .device = device_});
 }
@@ -293,7 +337,12 @@ void Trainer::setup_data_parallel() {
   if (options.stage == 3)  // what does not train is sharded too (gathered per unit, no gradient or state)
     for (size_t i = 0; i < frozen_.size(); ++i)
       options.frozen.emplace_back(frozen_names_[i], frozen_[i]), options.frozen_units.push_back(frozen_units_[i]);
-  dp_ = std::make_unique<DataParallel>(group_, named, options);
+  if (tp_) {  // over this rank's data-parallel group; the norm over the tensor-parallel group too
+    options.model_group = tp_group_;
+    for (const auto& name : param_names_)
+      if (!model_->tensor_split(name).split()) options.replicated.insert(name);
+  }
+  dp_ = std::make_unique<DataParallel>(dp_group_ ? dp_group_ : group_, named, options);
   if (dims_.gathers_parameters()) block_hooks_ = std::make_unique<GatherBlocks>(*dp_);
   optimizer_ = make_optimizer(optimizer_options(config_.train), dp_->decay_tensors(), dp_->no_decay_tensors());
   std::map<std::string, int64_t> numel;  // low-bit state: a rank's part is quantized as its whole parameter
@@ -327,6 +376,11 @@ void Trainer::setup_tracker() {
                  "[memory] memory.track = true on CPU needs memtrain::cpu_memory::install() at the start of main()");
   if (!config_.memory.track) mo.devices.clear();
   tracker_ = std::make_unique<MemoryTracker>(mo);
+  if (config_.log.trace && tp_group_)  // the split model's collectives, beside the data-parallel ones
+    tp_group_->set_observer([tracker = tracker_.get()](const std::string& what, int64_t bytes, MemoryTracker::Clock::time_point issued,
+                                                       MemoryTracker::Clock::time_point completed) {
+      tracker->trace_collective("tensor-parallel " + what, bytes, issued, completed);
+    });
   if (config_.log.trace && dp_)
     dp_->observe_collectives([tracker = tracker_.get()](const std::string& what, int64_t bytes, MemoryTracker::Clock::time_point issued,
                                                         MemoryTracker::Clock::time_point completed) {

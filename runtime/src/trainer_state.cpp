@@ -42,6 +42,23 @@ std::vector<ShardPiece> Trainer::state_pieces() const {
   auto add = [&](const std::string& name, const torch::Tensor& t, std::vector<int64_t> shape, int64_t begin, int64_t end) {
     out.push_back({name, std::move(shape), begin, end, t.detach().reshape({-1})});
   };
+  // Elements [begin, end) of parameter `param`'s slice on this rank (`shape` the slice's), saved at their place in the
+  // whole parameter: a checkpoint holds whole tensors whatever the grid, and resumes on any other. What is whole on
+  // every rank of a tensor-parallel group is saved by its first rank.
+  const int tp_place = tp_rank(), T = tp_ ? tp_->size() : 1;
+  auto add_slice = [&](const std::string& key, const std::string& param, const torch::Tensor& t, const std::vector<int64_t>& shape,
+                       int64_t begin, int64_t end) {
+    const auto split = model_->tensor_split(param);
+    if (!tp_ || !split.split()) {
+      if (tp_place == 0) add(key, t, shape, begin, end);
+      return;
+    }
+    const auto flat = t.detach().reshape({-1});
+    const auto whole = whole_sizes(split, shape);
+    for_each_whole_run(split, shape, tp_place, T, begin, end, [&](int64_t l, int64_t w, int64_t n) {
+      add(key, flat.slice(0, l - begin, l - begin + n), whole, w, w + n);
+    });
+  };
   // Optimizer state of one stepped tensor: elements [begin, end) of the parameter; the step count once,
   // by whoever holds the parameter's first element.
   // A field of k elements per value (4-bit codes, absmaxes) saves values [begin / k, end / k) of a (numel / k,) tensor.
@@ -55,21 +72,22 @@ std::vector<ShardPiece> Trainer::state_pieces() const {
       MEMTRAIN_CHECK(it != per_value.end(), Error, "[checkpoint] the optimizer's state of '", name, "' has a field '", field,
                      "' its kind does not list");
       if (const int64_t k = it->second; k == 0) {
-        if (begin == 0) add("optim/" + name + "/" + field, value, {}, 0, 1);
+        if (begin == 0 && tp_place == 0) add("optim/" + name + "/" + field, value, {}, 0, 1);
       } else if (k == 1) {
-        add("optim/" + name + "/" + field, value, shape, begin, end);
+        add_slice("optim/" + name + "/" + field, name, value, shape, begin, end);
       } else {
+        MEMTRAIN_CHECK(!tp_, Error, "[checkpoint] low-bit optimizer state of a tensor-parallel slice is not saved yet");
         add("optim/" + name + "/" + field, value, {numel / k}, begin / k, end / k);
       }
     }
   };
   if (dp_) {
     // Stage 0: every rank holds everything; rank 0 saves it. Stages 1-2: each rank its own part.
-    if (dims_.zero_stage > 0 || world_.is_main()) {
+    if (dims_.zero_stage > 0 || dp_rank() == 0) {  // (tensor parallel: each rank of the first data-parallel group)
       std::map<std::string, std::vector<int64_t>> shapes;
       for (const auto& slot : dp_->index()) shapes[slot.name] = slot.shape;
       for (const auto& seg : dp_->segments()) {
-        add("model/" + seg.name, seg.stepped, shapes.at(seg.name), seg.begin, seg.end);
+        add_slice("model/" + seg.name, seg.name, seg.stepped, shapes.at(seg.name), seg.begin, seg.end);
         add_state(seg.name, seg.stepped, shapes.at(seg.name), seg.begin, seg.end);
       }
     }
@@ -188,15 +206,20 @@ std::set<std::string> Trainer::check_checkpoint(const std::string& path, const L
   for (size_t i = 0; i < params_.size(); ++i) params[param_names_[i]] = params_[i];
   std::map<std::string, torch::Tensor> buffers;
   for (const auto& item : model_->named_buffers()) buffers[item.key()] = item.value();
-  auto expect = [&](const std::string& name, const torch::Tensor& target, const char* what) {
+  // A tensor-parallel slice is checked against its whole parameter (a checkpoint holds whole tensors).
+  auto whole_of = [&](const std::string& name, const torch::Tensor& p) { return whole_sizes(model_->tensor_split(name), p.sizes()); };
+  auto expect_sizes = [&](const std::string& name, c10::IntArrayRef sizes, const char* what) {
     auto it = T.find(name);
     MEMTRAIN_CHECK(it != T.end(), DataError, "[checkpoint] ", path, ": no tensor '", name, "' for the model's ", what,
-                   " of shape ", target.sizes(), ": a checkpoint of another model?");
-    MEMTRAIN_CHECK(it->second.sizes() == target.sizes(), DataError, "[checkpoint] ", path, ": tensor '", name,
-                   "' has shape ", it->second.sizes(), "; the model's ", what, " has ", target.sizes());
+                   " of shape ", sizes, ": a checkpoint of another model?");
+    MEMTRAIN_CHECK(it->second.sizes() == sizes, DataError, "[checkpoint] ", path, ": tensor '", name,
+                   "' has shape ", it->second.sizes(), "; the model's ", what, " has ", sizes);
     return it->second;
   };
-  for (const auto& [name, p] : params) expect("model/" + name, p, "parameter");
+  auto expect = [&](const std::string& name, const torch::Tensor& target, const char* what) {
+    return expect_sizes(name, target.sizes(), what);
+  };
+  for (const auto& [name, p] : params) expect_sizes("model/" + name, whole_of(name, p), "parameter");
   // An NF4 base is made again, not loaded: the checkpoint's record of it must be this run's.
   const auto saved_base = field("quantized_base"), base = nf4_record();
   MEMTRAIN_CHECK(saved_base.empty() == base.empty() && (base.empty() || nf4_same_base(saved_base, base)), DataError, "[checkpoint] ", path, " was trained on ",
@@ -211,7 +234,8 @@ std::set<std::string> Trainer::check_checkpoint(const std::string& path, const L
   for (const auto& [name, b] : buffers) expect("buffer/" + name, b, "buffer");
   std::set<std::string> stepped_names;  // parameters that have optimizer state in the checkpoint
   for (const auto& [name, p] : params) {
-    const auto state_fields = param_state_fields(*optimizer_, p.numel());
+    const auto numel = c10::multiply_integers(whole_of(name, p));
+    const auto state_fields = param_state_fields(*optimizer_, numel);
     size_t present = 0;
     for (const auto& f : state_fields) present += T.count("optim/" + name + "/" + f.name);
     if (!present) continue;
@@ -220,9 +244,9 @@ std::set<std::string> Trainer::check_checkpoint(const std::string& path, const L
       auto it = T.find(key);
       MEMTRAIN_CHECK(it != T.end(), DataError, "[checkpoint] ", path, ": no optimizer state '", key,
                      "' beside the rest of that parameter's state (saved by another optimizer or block size?)");
-      const int64_t values = f.per_value == 0 ? 1 : p.numel() / f.per_value;
+      const int64_t values = f.per_value == 0 ? 1 : numel / f.per_value;
       MEMTRAIN_CHECK(it->second.numel() == values, DataError, "[checkpoint] ", path, ": optimizer state '", key, "' has ",
-                     it->second.numel(), " values; a parameter of ", p.numel(), " elements has ", values);
+                     it->second.numel(), " values; a parameter of ", numel, " elements has ", values);
     }
     stepped_names.insert(name);
   }
@@ -262,20 +286,28 @@ void Trainer::load_checkpoint(const std::string& path) {
   // 2. Copy. Parameters are replicated in stages 0-2: every rank takes the whole tensor, and its own
   //    part of the fp32 masters and the optimizer state.
   torch::NoGradGuard no_grad;
+  // Elements [begin, end) of this rank's slice of `name` (tensor parallel: taken from their places in the whole).
+  auto slice_of = [&](const std::string& name, const torch::Tensor& whole, int64_t begin, int64_t end) {
+    return local_slice(name, whole, params.at(name).sizes(), begin, end);
+  };
   auto state_of = [&](const std::string& name, int64_t begin, int64_t end) {
     std::map<std::string, torch::Tensor> state;
-    for (const auto& f : param_state_fields(*optimizer_, params.at(name).numel())) {
+    const auto numel = c10::multiply_integers(whole_sizes(model_->tensor_split(name), params.at(name).sizes()));
+    for (const auto& f : param_state_fields(*optimizer_, numel)) {
       const auto& t = T.at("optim/" + name + "/" + f.name);
-      state[f.name] = f.per_value == 0 ? t : t.reshape({-1}).slice(0, begin / f.per_value, end / f.per_value);
+      state[f.name] = f.per_value == 0   ? t
+                      : f.per_value == 1 ? slice_of(name, t, begin, end)
+                                         : t.reshape({-1}).slice(0, begin / f.per_value, end / f.per_value);
     }
     return state;
   };
   if (dp_) {
     // Stage 3 holds no full parameters: the parts come from the stepped tensors.
     if (!dims_.gathers_parameters())
-      for (const auto& [name, p] : params) p.copy_(T.at("model/" + name));  // with masters: fp32 -> bf16 once
+      for (const auto& [name, p] : params)  // with masters: fp32 -> bf16 once
+        p.copy_(slice_of(name, T.at("model/" + name), 0, p.numel()).view(p.sizes()));
     for (const auto& seg : dp_->segments()) {
-      seg.stepped.copy_(T.at("model/" + seg.name).reshape({-1}).slice(0, seg.begin, seg.end));
+      seg.stepped.copy_(slice_of(seg.name, T.at("model/" + seg.name), seg.begin, seg.end));
       if (stepped_names.count(seg.name)) set_param_state(*optimizer_, seg.stepped, state_of(seg.name, seg.begin, seg.end));
     }
     dp_->parameters_from_stepped();

@@ -30,6 +30,7 @@ inline constexpr std::array<std::string_view, 2> param_dtype{"fp32", "bf16"};
 inline constexpr std::array<std::string_view, 3> backend{"auto", "gloo", "nccl"};
 inline constexpr std::array<std::string_view, 2> dist_reduce{"step", "micro_batch"};
 inline constexpr std::array<std::string_view, 2> offload_optimizer{"none", "cpu"};
+inline constexpr std::array<std::string_view, 3> sequence_parallel{"auto", "on", "off"};
 inline constexpr std::array<std::string_view, 2> cuda_allocator{"native", "cudaMallocAsync"};
 inline constexpr std::array<std::string_view, 3> progress{"auto", "bar", "lines"};
 inline constexpr std::array<std::string_view, 2> oom{"retry", "fail"};
@@ -163,6 +164,8 @@ struct DistConfig {
   std::string offload_optimizer = "none";  // none | cpu: masters, optimizer state and reduced gradients in host memory
   double bucket_mib = 25;        // gradient bucket size (DDP's default)
   std::string reduce = "step";   // step: accumulate micro-batches locally, reduce once | micro_batch: reduce each
+  int64_t tensor_parallel = 1;   // T: consecutive ranks split each block's matrices (Megatron); data parallel across
+  std::string sequence_parallel = "auto";  // auto (on when T > 1) | on | off: norms and residuals on 1/T of the tokens
 };
 
 struct LogConfig {

@@ -47,6 +47,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -90,6 +91,12 @@ struct DataParallelOptions {
   // parameters_from_stepped()).
   enum class Contents { kBroadcastFromRankZero, kSameOnEveryRank, kFilledLater };
   Contents contents = Contents::kBroadcastFromRankZero;
+  // Tensor parallelism (dist.tensor_parallel): this group is one of the data-parallel groups, and `model_group` the
+  // tensor-parallel group of this rank, over which each rank holds slices of the split parameters. The gradient norm
+  // and fp16's found-inf are taken over both; the parameters named in `replicated` are whole (the same gradient) on
+  // every rank of model_group and count once in the norm.
+  std::shared_ptr<ProcessGroup> model_group = nullptr;
+  std::set<std::string> replicated = {};
 };
 
 // Where a parameter lives: its name (FQN), its bucket, its element offset there, its shape.

@@ -85,6 +85,11 @@ class ProcessGroup {
   static std::shared_ptr<ProcessGroup> create(const World& world, const ProcessGroupOptions& options);
   ~ProcessGroup();
 
+  // The group of `ranks` (of this group, in order; this rank among them) on the same store: a tensor-parallel or a
+  // data-parallel group (dist.tensor_parallel). Every member calls it with the same ranks and `name`, and each rank
+  // makes its groups in the same order.
+  std::shared_ptr<ProcessGroup> subgroup(const std::vector<int>& ranks, const std::string& name) const;
+
   int rank() const { return rank_; }
   int size() const { return size_; }
   const std::string& backend_name() const { return backend_name_; }

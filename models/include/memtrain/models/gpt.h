@@ -48,11 +48,12 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
   explicit CausalSelfAttentionImpl(const GPTOptions& o);
   torch::Tensor forward(const torch::Tensor& x);  // (B, T, C) -> (B, T, C)
 
-  torch::nn::Linear c_attn{nullptr};  // (C, 3C): q, k, v projections in one matmul
-  torch::nn::Linear c_proj{nullptr};  // (C, C)
+  torch::nn::Linear c_attn{nullptr};  // (C, 3C): q, k, v projections in one matmul; split T: (C, 3C/T), this rank's heads
+  torch::nn::Linear c_proj{nullptr};  // (C, C); split T: row-parallel (C/T, C), its bias whole
   torch::nn::Dropout resid_drop{nullptr};
-  int64_t n_head;
+  int64_t n_head;  // this rank's heads (n_head / T)
   double dropout;
+  const TensorParallel* tp = nullptr;
 };
 TORCH_MODULE(CausalSelfAttention);
 
@@ -61,23 +62,25 @@ class MLPBlockImpl : public torch::nn::Module {
   explicit MLPBlockImpl(const GPTOptions& o);
   torch::Tensor forward(const torch::Tensor& x);
 
-  torch::nn::Linear c_fc{nullptr};    // (C, 4C)
-  torch::nn::Linear c_proj{nullptr};  // (4C, C)
+  torch::nn::Linear c_fc{nullptr};    // (C, 4C); split T: column-parallel (C, 4C/T)
+  torch::nn::Linear c_proj{nullptr};  // (4C, C); split T: row-parallel (4C/T, C), its bias whole
   torch::nn::Dropout drop{nullptr};
+  const TensorParallel* tp = nullptr;
 };
 TORCH_MODULE(MLPBlock);
 
 class TransformerBlockImpl : public torch::nn::Module {
  public:
   explicit TransformerBlockImpl(const GPTOptions& o);
-  torch::Tensor attn_part(const torch::Tensor& x) { return x + attn->forward(ln_1->forward(x)); }
-  torch::Tensor mlp_part(const torch::Tensor& x) { return x + mlp->forward(ln_2->forward(x)); }
+  torch::Tensor attn_part(const torch::Tensor& x);  // x + attn(ln_1(x))
+  torch::Tensor mlp_part(const torch::Tensor& x);   // x + mlp(ln_2(x))
   torch::Tensor forward(const torch::Tensor& x) { return mlp_part(attn_part(x)); }
 
   torch::nn::LayerNorm ln_1{nullptr};
   CausalSelfAttention attn{nullptr};
   torch::nn::LayerNorm ln_2{nullptr};
   MLPBlock mlp{nullptr};
+  const TensorParallel* tp = nullptr;
 };
 TORCH_MODULE(TransformerBlock);
 
@@ -100,13 +103,17 @@ class GPT : public Model {
   double block_activation_bytes(int64_t micro_batch, int64_t bytes_per_element) const override;
   std::optional<TransformerShape> transformer_shape() const override { return options_.shape(); }
   std::string describe() const override;
+  torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) const override;
+  torch::Tensor loss_sum(const torch::Tensor& output, const torch::Tensor& target) const override;
+  const TensorParallel* tensor_parallel() const override { return options_.build.tp.get(); }
+  TensorSplit tensor_split(const std::string& name) const override;
   const GPTOptions& options() const { return options_; }
 
   // 6 N + 12 L C T per token (PaLM appendix B / nanoGPT's estimate_mfu), N = parameters without
   // the position embedding (the tied token embedding counts: it is the output matmul).
   double train_flops_per_token() const;
 
-  torch::nn::Embedding wte{nullptr};  // (vocab, C), shared with the output head
+  torch::nn::Embedding wte{nullptr};  // (vocab, C), shared with the output head; split T: this rank's rows of the vocabulary
   torch::nn::Embedding wpe{nullptr};  // (block_size, C)
   torch::nn::Dropout drop{nullptr};
   torch::nn::ModuleList h{nullptr};      // the blocks, named h.0 ... h.{L-1}
@@ -115,6 +122,7 @@ class GPT : public Model {
 
  private:
   GPTOptions options_;
+  int64_t vocab_begin_ = 0;  // split T: the first vocabulary row wte holds
 };
 
 }  // namespace memtrain

@@ -90,6 +90,7 @@ class RMSNormImpl : public torch::nn::Module {
 
   torch::Tensor weight;  // (dim,), ones
   double eps;
+  const TensorParallel* tp = nullptr;  // sequence parallel: the weight's gradient summed over the group
 };
 TORCH_MODULE(RMSNorm);
 
@@ -104,11 +105,13 @@ class LlamaAttentionImpl : public torch::nn::Module {
   explicit LlamaAttentionImpl(const LlamaOptions& o);
   torch::Tensor forward(const torch::Tensor& x, const RotaryTables& rope);  // (B, T, C) -> (B, T, C)
 
+  // Split T: q, k, v column-parallel by head ((n_head / T) hd, C), o row-parallel (C, (n_head / T) hd), its bias whole.
   torch::nn::Linear q_proj{nullptr};  // (n_head * hd, C)
   torch::nn::Linear k_proj{nullptr};  // (n_kv_head * hd, C)
   torch::nn::Linear v_proj{nullptr};  // (n_kv_head * hd, C)
   torch::nn::Linear o_proj{nullptr};  // (C, n_head * hd)
-  int64_t n_head, n_kv_head, head_dim;
+  int64_t n_head, n_kv_head, head_dim;  // this rank's heads (split T: n_head / T, n_kv_head / T)
+  const TensorParallel* tp = nullptr;
 };
 TORCH_MODULE(LlamaAttention);
 
@@ -117,9 +120,10 @@ class LlamaMLPImpl : public torch::nn::Module {
   explicit LlamaMLPImpl(const LlamaOptions& o);
   torch::Tensor forward(const torch::Tensor& x);  // down(silu(gate(x)) * up(x))
 
-  torch::nn::Linear gate_proj{nullptr};  // (F, C)
-  torch::nn::Linear up_proj{nullptr};    // (F, C)
-  torch::nn::Linear down_proj{nullptr};  // (C, F)
+  torch::nn::Linear gate_proj{nullptr};  // (F, C); split T: (F / T, C)
+  torch::nn::Linear up_proj{nullptr};    // (F, C); split T: (F / T, C)
+  torch::nn::Linear down_proj{nullptr};  // (C, F); split T: row-parallel (C, F / T), its bias whole
+  const TensorParallel* tp = nullptr;
 };
 TORCH_MODULE(LlamaMLP);
 
@@ -163,6 +167,10 @@ class Llama : public Model {
   double block_activation_bytes(int64_t micro_batch, int64_t bytes_per_element) const override;
   std::optional<TransformerShape> transformer_shape() const override { return options_.shape(); }
   std::string describe() const override;
+  torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) const override;
+  torch::Tensor loss_sum(const torch::Tensor& output, const torch::Tensor& target) const override;
+  const TensorParallel* tensor_parallel() const override { return options_.build.tp.get(); }
+  TensorSplit tensor_split(const std::string& name) const override;
   const LlamaOptions& options() const { return options_; }
 
   // 6 N + 12 L (n_head hd) T per token (PaLM appendix B), N = every parameter but the input embedding's
@@ -179,6 +187,7 @@ class Llama : public Model {
   const RotaryTables& rotary(int64_t T, const c10::Device& device, c10::ScalarType dtype);
 
   LlamaOptions options_;
+  int64_t vocab_begin_ = 0;  // split T: the first vocabulary row the embedding (and head) hold
   RotaryTables rope_;       // (T, hd) fp32 for rope_len_ positions on rope_device_: not parameters, never saved
   RotaryTables rope_cast_;  // the same in the activations' dtype, when that is not fp32
   int64_t rope_len_ = 0;

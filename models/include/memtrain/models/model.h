@@ -18,6 +18,7 @@
 
 #include "memtrain/core/activation_model.h"
 #include "memtrain/core/data_info.h"
+#include "memtrain/models/tensor_parallel.h"
 
 namespace memtrain {
 
@@ -58,6 +59,13 @@ class Model : public torch::nn::Module {
   // them (core/activation_model.h); nullopt for models that are probed instead.
   virtual std::optional<TransformerShape> transformer_shape() const { return std::nullopt; }
   virtual std::string describe() const = 0;
+  // Masked targets (chat records, -100 not trained): the summed cross-entropy of the trained tokens.
+  virtual torch::Tensor loss_sum(const torch::Tensor& output, const torch::Tensor& target) const;
+
+  // Tensor parallelism (tensor_parallel.h): the group the model is split over (null: whole), and where parameter
+  // `name`'s slice sits in the whole parameter (replicated: {}).
+  virtual const TensorParallel* tensor_parallel() const { return nullptr; }
+  virtual TensorSplit tensor_split(const std::string& name) const { return {}; }
 
   torch::Tensor forward(const torch::Tensor& input);
   int64_t num_parameters() const;  // distinct parameters (tied weights once)

@@ -15,14 +15,20 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/types.h>
 
+#include <memory>
 #include <string>
 
 namespace memtrain {
+
+struct TensorParallel;  // tensor_parallel.h
 
 struct ParameterBuild {
   bool shapes_only = false;             // sizes without memory; false: LibTorch's modules as they initialise
   c10::ScalarType dtype = torch::kFloat;  // shapes_only: the parameters' dtype (train.param_dtype)
   c10::Device device = torch::kCPU;     // shapes_only: where their memory will be
+  // dist.tensor_parallel > 1: the group this model is split over; its split matrices are built as this rank's slices
+  // (GPT and the Llama family; others refuse it). Null: whole.
+  std::shared_ptr<const TensorParallel> tp = nullptr;
 };
 
 // A tensor of `sizes` whose storage holds no bytes (never read it before it is given memory).

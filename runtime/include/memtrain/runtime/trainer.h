@@ -164,7 +164,8 @@ class Trainer {
   // The checkpoint this run resumed from ("" for a fresh run).
   const std::string& resumed_from() const { return resumed_from_; }
   // Ranks agreeing on host values outside the step (a collective per call when there are ranks).
-  RankAgreement agreement() const { return RankAgreement(dp_.get(), group_.get(), device_); }
+  // Tensor parallel: over the world's group (DataParallel's is one data-parallel group).
+  RankAgreement agreement() const { return RankAgreement(tp_ ? nullptr : dp_.get(), group_.get(), device_); }
 
  private:
   // setup(), in numbered steps (trainer_setup.cpp).
@@ -302,6 +303,18 @@ class Trainer {
   torch::Tensor clip_coef_;       // its clipping coefficient (fp32, on the device); undefined without train.grad_clip
   c10::ScalarType param_dtype_ = torch::kFloat;
   std::shared_ptr<ProcessGroup> group_;  // several ranks (setup step 4), or offload (a group of one, step 8)
+  // dist.tensor_parallel > 1 (made before the model): this rank's tensor-parallel group (T consecutive ranks), its
+  // data-parallel group (the ranks of its tensor-parallel rank across the groups, DataParallel's), and the model's split.
+  std::shared_ptr<ProcessGroup> tp_group_, dp_group_;
+  std::shared_ptr<TensorParallel> tp_;
+  void setup_tensor_parallel();
+  int tp_rank() const { return tp_ ? tp_->rank() : 0; }
+  int dp_rank() const { return ParallelDims::of(config_.dist, world_.world_size).dp_rank(world_.rank); }
+  // Parameter `name` whole from this rank's slice `local` (a collective over the tensor-parallel group; others: local).
+  torch::Tensor whole_parameter(const std::string& name, const torch::Tensor& local);
+  // Elements [begin, end) of the slice of `name` (sizes `local_sizes`) this rank holds, from the whole tensor.
+  torch::Tensor local_slice(const std::string& name, const torch::Tensor& whole, c10::IntArrayRef local_sizes, int64_t begin,
+                            int64_t end) const;
   std::unique_ptr<DataParallel> dp_;     // several ranks, or offload
   std::unique_ptr<BlockHooks> block_hooks_;  // ZeRO stage 3: gathers each block's parameters around it
   TraceBlocks* trace_blocks_ = nullptr;      // log.trace_blocks: block_hooks_ itself, around any gathers

@@ -1,0 +1,235 @@
+// Tensor parallelism (dist.tensor_parallel, models/tensor_parallel.h) on Gloo processes started through memtrain-run:
+// a GPT and a GQA Llama split over 2 and 4 ranks, with and without sequence parallelism, recomputation and
+// accumulation, and 2 x 2 grids with ZeRO-2 and ZeRO-3, train as one process does (losses, pre-clip gradient norms and
+// final weights); checkpoints saved on one grid resume on another; the slices sit where the arithmetic says.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "helpers.h"
+#include "memtrain/core/safetensors.h"
+#include "memtrain/models/tensor_parallel.h"
+
+namespace memtrain {
+namespace {
+
+namespace fs = std::filesystem;
+
+// ---- Where a slice sits in the whole: for_each_whole_run against narrow() on an arange ----------------------------
+
+// Rank r's slice of `whole` by the split's definition, written with narrow and cat: `chunks` equal blocks along dim,
+// each split in T pieces (one block: pieces of ceil(n / T), the last ones shorter).
+torch::Tensor expected_slice(const torch::Tensor& whole, const TensorSplit& s, int r, int T) {
+  const int64_t n = whole.size(s.dim);
+  if (s.chunks == 1) {
+    const int64_t piece = (n + T - 1) / T;
+    const int64_t begin = std::min(n, piece * r);
+    return whole.narrow(s.dim, begin, std::min(piece, n - begin));
+  }
+  const int64_t block = n / s.chunks, piece = block / T;
+  std::vector<torch::Tensor> parts;
+  for (int64_t c = 0; c < s.chunks; ++c) parts.push_back(whole.narrow(s.dim, c * block + r * piece, piece));
+  return torch::cat(parts, s.dim);
+}
+
+TEST(TensorSplit, RunsPutEachSliceAtItsPlaceInTheWhole) {
+  struct Case {
+    std::vector<int64_t> whole;
+    TensorSplit split;
+    int ranks;
+  };
+  const std::vector<Case> cases = {
+      {{12, 5}, {.dim = 0, .chunks = 3, .whole = 12}, 2},  // a fused q, k, v weight (column-parallel by head)
+      {{12}, {.dim = 0, .chunks = 3, .whole = 12}, 2},     // and its bias
+      {{6, 8}, {.dim = 1, .chunks = 1, .whole = 8}, 4},    // a row-parallel weight
+      {{7, 3}, {.dim = 0, .chunks = 1, .whole = 7}, 2},    // a vocabulary T does not divide: 4 + 3 rows
+      {{5, 2}, {.dim = 0, .chunks = 1, .whole = 5}, 4},    // 2 + 2 + 1 + 0 rows
+  };
+  for (const auto& c : cases) {
+    const auto whole = torch::arange(c10::multiply_integers(c.whole), torch::kFloat).view(c.whole);
+    const auto flat = whole.view({-1});
+    int64_t total = 0;
+    for (int r = 0; r < c.ranks; ++r) {
+      const auto want = expected_slice(whole, c.split, r, c.ranks).contiguous();
+      auto sizes = c.whole;
+      sizes[static_cast<size_t>(c.split.dim)] = split_size(c.split, r, c.ranks);
+      ASSERT_EQ(sizes, want.sizes().vec()) << "rank " << r;
+      EXPECT_EQ(whole_sizes(c.split, sizes), c.whole);
+      total += want.numel();
+      // Every element, then a range that starts and ends inside runs (a ZeRO part of the slice).
+      for (auto [begin, end] : {std::pair<int64_t, int64_t>{0, want.numel()}, {std::min<int64_t>(3, want.numel()), std::max<int64_t>(want.numel() - 2, 0)}}) {
+        if (begin >= end) continue;
+        auto got = torch::full({end - begin}, -1.0f);
+        for_each_whole_run(c.split, sizes, r, c.ranks, begin, end, [&](int64_t l, int64_t w, int64_t n) {
+          ASSERT_GE(l, begin);
+          ASSERT_LE(l + n, end);
+          got.slice(0, l - begin, l - begin + n).copy_(flat.slice(0, w, w + n));
+        });
+        EXPECT_TRUE(torch::equal(got, want.view({-1}).slice(0, begin, end)))
+            << "split dim " << c.split.dim << " chunks " << c.split.chunks << ", rank " << r << " of " << c.ranks
+            << ", elements [" << begin << ", " << end << ")";
+      }
+    }
+    EXPECT_EQ(total, whole.numel()) << "the slices cover the whole once";
+  }
+}
+
+// ---- Training on grids ----------------------------------------------------------------------------------------------
+
+struct GridRun {
+  int code = -1;
+  std::string output;
+  std::vector<double> losses, grad_norms;
+  std::map<std::string, torch::Tensor> weights;  // checkpoints/model.safetensors
+  fs::path dir;                                  // the run folder (removed by the test's TempDir)
+};
+
+// 4 steps of a small model on the Austen bytes: one process (ranks = 1) or `ranks` through memtrain-run, with
+// `micro` samples per micro-batch on each data-parallel rank and 2 micro-batches per step.
+GridRun train(const test::TempDir& dir, const std::string& name, int ranks, int micro, const std::string& extra) {
+  const std::string args = " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
+                           " --model.block_size=32 --train.steps=4 --train.warmup_steps=1 --train.eval_every=0"
+                           " --train.accum_steps=2 --log.every=1 --log.progress=lines --train.micro_batch=" +
+                           std::to_string(micro) + " --log.dir=" + dir.path() + " --log.name=" + name + " " + extra;
+  std::string command = test::binary("memtrain") + args;
+  if (ranks > 1)
+    command = "timeout 300 " + test::binary("memtrain-run") + " --standalone --nproc-per-node " + std::to_string(ranks) +
+              " -- " + command;
+  GridRun r;
+  r.output = test::shell(command + " 2>&1", &r.code);
+  r.dir = fs::path(dir.path()) / name;
+  const auto metrics = (r.dir / "metrics.jsonl").string();
+  r.losses = test::metric_losses(metrics);
+  r.grad_norms = test::metric_grad_norms(metrics);
+  if (fs::exists(r.dir / "checkpoints" / "model.safetensors"))
+    r.weights = load_safetensors((r.dir / "checkpoints" / "model.safetensors").string());
+  return r;
+}
+
+// Losses and pre-clip gradient norms of every step within `tol` (relative), and every final weight within `weight_tol`
+// (max |a - b| / max |b|) of one process's.
+void expect_same_training(const GridRun& one, const GridRun& grid, const std::string& what, double tol = 1e-5,
+                          double weight_tol = 1e-5) {
+  ASSERT_EQ(one.code, 0) << one.output;
+  ASSERT_EQ(grid.code, 0) << what << "\n" << grid.output;
+  ASSERT_EQ(one.losses.size(), 4u) << one.output;
+  ASSERT_EQ(grid.losses.size(), one.losses.size()) << what << "\n" << grid.output;
+  ASSERT_EQ(grid.grad_norms.size(), one.grad_norms.size()) << what;
+  for (size_t s = 0; s < one.losses.size(); ++s) {
+    EXPECT_NEAR(grid.losses[s], one.losses[s], tol * std::abs(one.losses[s])) << what << ", step " << s + 1;
+    EXPECT_NEAR(grid.grad_norms[s], one.grad_norms[s], tol * std::abs(one.grad_norms[s])) << what << ", grad norm, step " << s + 1;
+  }
+  ASSERT_FALSE(one.weights.empty());
+  ASSERT_EQ(grid.weights.size(), one.weights.size()) << what << ": model.safetensors holds other tensors";
+  for (const auto& [name, w] : one.weights) {
+    ASSERT_TRUE(grid.weights.count(name)) << what << ": no " << name;
+    const auto& g = grid.weights.at(name);
+    ASSERT_EQ(g.sizes(), w.sizes()) << what << ": " << name << " is not whole";
+    EXPECT_LT(test::relative_error(g, w), weight_tol) << what << ": " << name;
+  }
+}
+
+// GPT, bytes (vocabulary 259: split 130 + 129 over 2 ranks, 65 x 3 + 64 over 4), 4 heads.
+const std::string kGpt = "--model.n_layer=2 --model.n_head=4 --model.n_embd=32 --model.vocab_size=259";
+
+TEST(TensorParallel, GptOnTwoAndFourRanksTrainsAsOneProcess) {
+  test::TempDir dir;
+  const auto one = train(dir, "one", 1, 8, kGpt);
+  expect_same_training(one, train(dir, "t2", 2, 8, kGpt + " --dist.tensor_parallel=2"), "T = 2, sequence parallel");
+  expect_same_training(one, train(dir, "t2_plain", 2, 8, kGpt + " --dist.tensor_parallel=2 --dist.sequence_parallel=off"),
+                       "T = 2 without sequence parallelism");
+  const auto four = train(dir, "t4", 4, 8, kGpt + " --dist.tensor_parallel=4 --memory.recompute=all");
+  expect_same_training(one, four, "T = 4, sequence parallel, every block recomputed");
+  EXPECT_NE(four.output.find("4 ranks: 1 data-parallel x 4 tensor-parallel"), std::string::npos) << four.output;
+}
+
+// Llama with grouped key/value heads (4 query heads, 2 kv heads: 2 and 1 per rank at T = 2), SwiGLU, RMSNorm,
+// rotary positions, an untied head.
+const std::string kLlama = "--model.name=llama --model.n_layer=2 --model.n_head=4 --model.n_kv_head=2 --model.n_embd=32"
+                           " --model.tie_embeddings=false --model.vocab_size=256";
+
+TEST(TensorParallel, GqaLlamaOnTwoRanksTrainsAsOneProcess) {
+  test::TempDir dir;
+  const auto one = train(dir, "one", 1, 8, kLlama);
+  expect_same_training(one, train(dir, "t2", 2, 8, kLlama + " --dist.tensor_parallel=2 --memory.recompute=attn"),
+                       "T = 2, sequence parallel, attention recomputed");
+  expect_same_training(one, train(dir, "t2_plain", 2, 8, kLlama + " --dist.tensor_parallel=2 --dist.sequence_parallel=off"),
+                       "T = 2 without sequence parallelism");
+}
+
+// 2 x 2: tensor parallel within pairs of ranks, ZeRO across them (each data-parallel rank half the samples).
+TEST(TensorParallel, TwoByTwoGridsWithZeroTrainAsOneProcess) {
+  test::TempDir dir;
+  const auto gpt = train(dir, "gpt", 1, 8, kGpt);
+  expect_same_training(gpt, train(dir, "gpt_2x2", 4, 4, kGpt + " --dist.tensor_parallel=2 --dist.zero_stage=2"),
+                       "GPT 2 x 2, ZeRO-2");
+  const auto llama = train(dir, "llama", 1, 8, kLlama);
+  expect_same_training(llama,
+                       train(dir, "llama_2x2", 4, 4, kLlama + " --dist.tensor_parallel=2 --dist.zero_stage=3 --memory.recompute=all"),
+                       "Llama 2 x 2, ZeRO-3, every block recomputed");
+}
+
+// A checkpoint holds whole tensors whatever the grid: saved at step 2 by T = 2 (and by a 2 x 2 grid at ZeRO-1), it
+// resumes in one process (and on 4 tensor-parallel ranks), whose steps 3 and 4 are those of the run that saved it (1e-6).
+// `memtrain export` of the grid's checkpoint writes the whole model the grid's final weights are.
+TEST(TensorParallel, CheckpointsResumeOnAnotherGridAndExportWhole) {
+  test::TempDir dir;
+  const std::string every = " --checkpoint.every=2 --checkpoint.keep=5";
+  auto resume = [&](const GridRun& saved, const std::string& name, int ranks, int micro, const std::string& extra) {
+    const auto step2 = saved.dir / "checkpoints" / "step-000002";
+    EXPECT_TRUE(fs::exists(step2)) << saved.output;
+    return train(dir, name, ranks, micro, extra + " --checkpoint.resume=" + step2.string());
+  };
+  auto expect_continues = [](const GridRun& saved, const GridRun& resumed, const std::string& what) {
+    ASSERT_EQ(resumed.code, 0) << what << "\n" << resumed.output;
+    ASSERT_EQ(saved.losses.size(), 4u) << saved.output;
+    ASSERT_EQ(resumed.losses.size(), 2u) << what << "\n" << resumed.output;  // steps 3 and 4
+    for (size_t s = 0; s < 2; ++s)
+      EXPECT_NEAR(resumed.losses[s], saved.losses[s + 2], 1e-6 * saved.losses[s + 2]) << what << ", step " << s + 3;
+  };
+  const auto t2 = train(dir, "t2", 2, 8, kGpt + " --dist.tensor_parallel=2" + every);
+  ASSERT_EQ(t2.code, 0) << t2.output;
+  expect_continues(t2, resume(t2, "t2_to_one", 1, 8, kGpt), "T = 2 -> one process");
+  const auto grid = train(dir, "grid", 4, 4, kGpt + " --dist.tensor_parallel=2 --dist.zero_stage=1" + every);
+  ASSERT_EQ(grid.code, 0) << grid.output;
+  expect_continues(grid, resume(grid, "grid_to_t4", 4, 8, kGpt + " --dist.tensor_parallel=4"), "2 x 2 -> 4 x 1");
+
+  const auto out = dir.path("exported");
+  const auto final_step = t2.dir / "checkpoints" / "step-000004";
+  int code = -1;
+  const auto printed = test::shell(test::binary("memtrain") + " export --checkpoint " + final_step.string() + " --out " + out + " 2>&1", &code);
+  ASSERT_EQ(code, 0) << printed;
+  const auto exported = load_safetensors(out + "/model.safetensors");
+  const auto& wte = t2.weights.at("wte.weight");
+  ASSERT_TRUE(exported.count("transformer.wte.weight")) << printed;
+  EXPECT_TRUE(torch::equal(exported.at("transformer.wte.weight"), wte)) << "the exported embedding is the gathered one";
+  // GPT-2's Conv1D layout: the fused q, k, v weight transposed, whole (3 x 32 outputs).
+  const auto& qkv = exported.at("transformer.h.0.attn.c_attn.weight");
+  ASSERT_EQ(qkv.sizes(), (std::vector<int64_t>{32, 96}));
+  EXPECT_TRUE(torch::equal(qkv, t2.weights.at("h.0.attn.c_attn.weight").t()));
+}
+
+// What cannot be split is refused before anything runs, naming the keys.
+TEST(TensorParallel, RefusesWhatItCannotSplit) {
+  test::TempDir dir;
+  auto refused = [&](const std::string& name, int ranks, const std::string& extra) {
+    const auto r = train(dir, name, ranks, 8, extra);
+    EXPECT_NE(r.code, 0) << r.output;
+    return r.output;
+  };
+  EXPECT_NE(refused("heads", 2, "--model.n_head=3 --model.n_embd=48 --model.n_layer=1 --dist.tensor_parallel=2")
+                .find("dist.tensor_parallel = 2 must divide model.n_head = 3"),
+            std::string::npos);
+  EXPECT_NE(refused("kv", 2, kLlama + " --model.n_kv_head=1 --dist.tensor_parallel=2").find("model.n_kv_head = 1"),
+            std::string::npos);
+  EXPECT_NE(refused("world", 2, kGpt + " --dist.tensor_parallel=4").find("dist.tensor_parallel = 4 must divide the 2 ranks"),
+            std::string::npos);
+  EXPECT_NE(refused("fused", 2, kGpt + " --dist.tensor_parallel=2 --memory.head=fused").find("memory.head = plain"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace memtrain
