@@ -73,9 +73,13 @@ SavedFile write_rank_file(const std::string& staging, int rank, const std::vecto
   for (const auto& p : pieces) {
     MEMTRAIN_CHECK(p.data.numel() == p.end - p.begin, Error, "[checkpoint] piece '", p.name, "' holds ",
                    p.data.numel(), " elements for the range [", p.begin, ", ", p.end, ")");
-    MEMTRAIN_CHECK(tensors.emplace(p.name, p.data.reshape({-1})).second, Error, "[checkpoint] piece '", p.name,
-                   "' given twice by rank ", rank);
-    index[p.name] = {{"begin", p.begin}, {"end", p.end}, {"shape", p.full_shape}};
+    // A second piece of one tensor (a tensor-parallel slice is several runs of the whole) is stored under
+    // "<name>@<begin>", its entry naming the tensor it belongs to.
+    const auto key = tensors.count(p.name) ? p.name + "@" + std::to_string(p.begin) : p.name;
+    MEMTRAIN_CHECK(tensors.emplace(key, p.data.reshape({-1})).second, Error, "[checkpoint] piece '", p.name,
+                   "' [", p.begin, ", ", p.end, ") given twice by rank ", rank);
+    index[key] = {{"begin", p.begin}, {"end", p.end}, {"shape", p.full_shape}};
+    if (key != p.name) index[key]["tensor"] = p.name;
   }
   return save_safetensors((fs::path(staging) / rank_file_name(rank)).string(), tensors,
                           {{"format", kFormat}, {"rank", std::to_string(rank)}, {"pieces", index.dump()}});
@@ -94,11 +98,13 @@ std::string commit_checkpoint(const std::string& dir, const CheckpointMeta& meta
     files.push_back({{"name", name}, {"rank", r}, {"bytes", saved[r].bytes}, {"crc32", std::to_string(saved[r].crc32)}});
     const auto header = header_of(path);
     const auto pieces = json::parse(header.at("__metadata__").at("pieces").get<std::string>());
-    for (const auto& [tname, piece] : pieces.items()) {
+    for (const auto& [key, piece] : pieces.items()) {
+      const auto tname = piece.value("tensor", key);
       auto& t = tensors[tname];
       t["shape"] = piece.at("shape");
-      t["dtype"] = header.at(tname).at("dtype");
+      t["dtype"] = header.at(key).at("dtype");
       t["pieces"].push_back({{"file", name}, {"begin", piece.at("begin")}, {"end", piece.at("end")}});
+      if (key != tname) t["pieces"].back()["key"] = key;
     }
   }
   json manifest = {{"format", kFormat},       {"version", kVersion},           {"step", meta.step},
@@ -247,16 +253,17 @@ LoadedCheckpoint load_checkpoint(const std::string& path) {
         auto f = files.find(file);
         MEMTRAIN_CHECK(f != files.end(), DataError, "[checkpoint] ", manifest_path, ": tensor '", name,
                        "' has a piece in '", file, "', which the manifest does not list");
-        auto data = f->second.find(name);
+        const auto key = p.value("key", name);  // a second piece of the tensor in this file: "<name>@<begin>"
+        auto data = f->second.find(key);
         MEMTRAIN_CHECK(data != f->second.end(), DataError, "[checkpoint] ", (fs::path(path) / file).string(),
-                       ": no tensor '", name, "', which the manifest places there");
+                       ": no tensor '", key, "', which the manifest places there");
         MEMTRAIN_CHECK(begin >= 0 && begin <= end && end <= numel && data->second.numel() == end - begin, DataError,
                        "[checkpoint] ", (fs::path(path) / file).string(), ": tensor '", name, "' holds ",
                        data->second.numel(), " elements; the manifest says [", begin, ", ", end, ") of ", numel);
         MEMTRAIN_CHECK(safetensors_dtype(data->second.scalar_type()) == t.at("dtype").get<std::string>(), DataError,
                        "[checkpoint] ", (fs::path(path) / file).string(), ": tensor '", name, "' is ",
                        safetensors_dtype(data->second.scalar_type()), "; the manifest says ", t.at("dtype").dump());
-        ++used[file + "/" + name];
+        ++used[file + "/" + key];
         pieces.emplace_back(begin, end, data->second, file);
       }
       std::sort(pieces.begin(), pieces.end(), [](const auto& a, const auto& b) { return std::get<0>(a) < std::get<0>(b); });

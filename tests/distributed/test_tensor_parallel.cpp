@@ -110,9 +110,11 @@ GridRun train(const test::TempDir& dir, const std::string& name, int ranks, int 
 }
 
 // Losses and pre-clip gradient norms of every step within `tol` (relative), and every final weight within `weight_tol`
-// (max |a - b| / max |b|) of one process's.
+// (max |a - b| / max |b|) of one process's. The weights' 1e-4 is the data-parallel tests' (test_data_parallel.cpp):
+// AdamW divides by sqrt(v), so a gradient element near zero, summed in another order, moves its weight by up to lr;
+// measured here 1.9e-5 on one Llama q_proj element, the rest below 1e-5.
 void expect_same_training(const GridRun& one, const GridRun& grid, const std::string& what, double tol = 1e-5,
-                          double weight_tol = 1e-5) {
+                          double weight_tol = 1e-4) {
   ASSERT_EQ(one.code, 0) << one.output;
   ASSERT_EQ(grid.code, 0) << what << "\n" << grid.output;
   ASSERT_EQ(one.losses.size(), 4u) << one.output;
@@ -128,6 +130,18 @@ void expect_same_training(const GridRun& one, const GridRun& grid, const std::st
     ASSERT_TRUE(grid.weights.count(name)) << what << ": no " << name;
     const auto& g = grid.weights.at(name);
     ASSERT_EQ(g.sizes(), w.sizes()) << what << ": " << name << " is not whole";
+    if (name.ends_with("attn.c_attn.bias")) {
+      // As in tests/models/test_parity.cpp: the key third of GPT's q, k, v bias has a gradient that is zero but for
+      // rounding (softmax ignores a shift every key shares), which AdamW, dividing by sqrt(v), turns into steps of up
+      // to lr whose signs no two summation orders share. The query and value thirds are compared; the key third
+      // only stays within those steps (4 steps of lr 2e-3 from the same start, on either side).
+      const int64_t C = w.size(0) / 3;
+      auto query_value = [&](const torch::Tensor& b) { return torch::cat({b.slice(0, 0, C), b.slice(0, 2 * C)}); };
+      EXPECT_LT(test::relative_error(query_value(g), query_value(w)), weight_tol) << what << ": " << name;
+      EXPECT_LE((g.slice(0, C, 2 * C) - w.slice(0, C, 2 * C)).abs().max().item<double>(), 2 * 4 * 2e-3 * 1.01)
+          << what << ": " << name << " (key)";
+      continue;
+    }
     EXPECT_LT(test::relative_error(g, w), weight_tol) << what << ": " << name;
   }
 }
