@@ -71,19 +71,22 @@ struct BlockModel {
 
 BlockModel block_model(const TransformerShape& m, const ActivationSettings& s) {
   const int64_t h = m.hidden, a = m.heads, k = m.kv_heads * m.head_dim(), F = m.ffn, ctx = m.context;
+  // Tensor parallel: q and the attention output are this rank's heads (qh wide); what lies between the split regions
+  // is per token of this rank's share (1 / sp of them with sequence parallelism).
+  const int64_t qh = a * m.head_dim(), sp = m.sequence_split ? m.split : 1;
   const int64_t r = s.half_params ? 2 : 4;                      // the residual stream's bytes
   const int64_t e = s.half_params || s.autocast ? 2 : 4;        // the matmuls' activations
   const int64_t w = s.autocast && !s.half_params ? 2 : 0;       // autocast's weight copies
-  const int64_t cast = e == 2 && r == 4 ? 2 * h : 0;            // a 16-bit copy of the residual branch's gradient
+  const int64_t cast = e == 2 && r == 4 ? 2 * h / sp : 0;       // a 16-bit copy of the residual branch's gradient
   // SDPA: the flash / memory-efficient kernels keep q, k, v, the output and a fp32 logsumexp per head. With
   // dropout on a CPU, PyTorch takes the math path instead: softmax, its noise and the dropped scores (s per head
   // each), and no logsumexp.
   const bool math_attention = m.dropout > 0 && !s.cuda;
   const int64_t scores = math_attention ? 3 * a * ctx * e : 4 * a;
   // Dropout (p > 0): the kept noise on a CPU (a tensor of the input's dtype), a 1-byte mask on CUDA.
-  const int64_t drop = m.dropout > 0 ? (s.cuda ? h : e * h) : 0;
+  const int64_t drop = m.dropout > 0 ? (s.cuda ? h : e * h) / sp : 0;
   BlockModel b;
-  b.input = r * h;
+  b.input = r * h / sp;
   // LoRA: a frozen linear keeps no input (codegen saves a matmul's input only for its weight's gradient), a frozen
   // RMSNorm weight no normalised value; each adapter keeps A x (rank values, saved by B) and, with dropout, the
   // noise and the dropped input; under autocast it keeps its own 16-bit cast of the input, and its weights' casts.
@@ -112,17 +115,18 @@ BlockModel block_model(const TransformerShape& m, const ActivationSettings& s) {
     // input), GELU's output (c_proj's input).
     const int64_t ln1_out = kept_input({"c_attn"}) ? e * h : 0, ln2_out = kept_input({"c_fc"}) ? e * h : 0;
     const int64_t gelu_out = kept_input({"c_proj"}) ? e * F : 0;
-    b.attn = {r * h + stats + ln1_out + 3 * e * h + e * h + scores + drop + adapters[0], w * 4 * h * h + adapter_weights[0], 7};
-    b.mlp = {r * h + stats + ln2_out + e * F + gelu_out + drop + adapters[1], w * 8 * h * h + adapter_weights[1], 6};
+    const int64_t norm = (r * h + stats) / sp;
+    b.attn = {norm + ln1_out + 3 * e * qh + e * qh + scores + drop + adapters[0], w * 4 * h * qh + adapter_weights[0], 7};
+    b.mlp = {norm + ln2_out + e * F + gelu_out + drop + adapters[1], w * 2 * h * F + adapter_weights[1], 6};
     // The output projection's input gradient, and GELU's beside it; when that input was kept (saved for the
     // weight's gradient) it is freed as GELU's gradient is made, else both are new.
     b.grad_mlp = e * F + cast + (gelu_out == 0 ? e * F : 0);
-    b.grad_attn = 3 * e * h + cast;
+    b.grad_attn = 3 * e * qh + cast;
   } else {
     // RMSNorm in fp32: its fp32 input (the residual itself when it is fp32, else an upcast copy), rsqrt, the
     // normalised value (saved by the weight's product, in the parameters' dtype); then the projections' input
     // (autocast casts it once per projection).
-    const int64_t norm = 4 * h + 4 + (frozen ? 0 : r * h);
+    const int64_t norm = (4 * h + 4 + (frozen ? 0 : r * h)) / sp;
     // The projections' input: autocast casts it once per projection that keeps it, else one tensor kept by any.
     auto projections_in = [&](std::initializer_list<const char*> names) {
       int64_t keeping = 0;
@@ -133,11 +137,11 @@ BlockModel block_model(const TransformerShape& m, const ActivationSettings& s) {
     const int64_t product = kept_input({"down_proj"}) ? e * F : 0;
     // q and k after rotary, v (SDPA's), the attention output (o_proj's input), the logsumexp; gate (SiLU's
     // input), SiLU's output, up, their product (down's input).
-    b.attn = {norm + attn_in + e * h + 2 * e * k + e * h + scores + adapters[0],
-              w * (2 * h * h + 2 * h * k) + adapter_weights[0], w > 0 ? 10 : 8};
+    b.attn = {norm + attn_in + e * qh + 2 * e * k + e * qh + scores + adapters[0],
+              w * (2 * h * qh + 2 * h * k) + adapter_weights[0], w > 0 ? 10 : 8};
     b.mlp = {norm + mlp_in + 3 * e * F + product + adapters[1], w * 3 * h * F + adapter_weights[1], w > 0 ? 9 : 8};
     b.grad_mlp = 2 * e * F + cast + (product == 0 ? e * F : 0);  // as GPT's: the product's gradient beside its operands'
-    b.grad_attn = e * h + 2 * e * k + cast;
+    b.grad_attn = e * qh + 2 * e * k + cast;
   }
   return b;
 }
@@ -196,8 +200,9 @@ ActivationEstimate transformer_activations(const TransformerShape& m, const Acti
   const bool frozen = s.lora.rank > 0;
   const int64_t head_in = frozen ? 0 : e * h;
   int64_t features = 0;
-  if (m.family == TransformerShape::Family::kGpt) features = r * h + (s.half_params ? 4 : 8) + head_in;
-  else features = 4 * h + 4 + (frozen ? 0 : r * h) + head_in;
+  const int64_t sp = m.sequence_split ? m.split : 1;  // the final norm runs on this rank's tokens; the head's input is whole
+  if (m.family == TransformerShape::Family::kGpt) features = (r * h + (s.half_params ? 4 : 8)) / sp + head_in;
+  else features = (4 * h + 4 + (frozen ? 0 : r * h)) / sp + head_in;
   features *= t;
   // ... without the head's input, which the fused head does not keep.
   const int64_t features_fused = features - head_in * t + (s.half_params ? 2 : 4) * h * t;  // the norm's output, alive in its forward

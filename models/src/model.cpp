@@ -54,6 +54,16 @@ torch::Tensor Model::loss_sum(const torch::Tensor& output, const torch::Tensor& 
       torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(-100));
 }
 
+TransformerShape split_shape(TransformerShape shape, const TensorParallel* tp) {
+  if (!tp || tp->size() == 1) return shape;
+  const int64_t T = tp->size();
+  shape.heads /= T, shape.kv_heads /= T, shape.ffn /= T;
+  shape.vocab = (shape.vocab + T - 1) / T;
+  shape.split = T;
+  shape.sequence_split = tp->sequence_parallel;
+  return shape;
+}
+
 int64_t Model::num_parameters() const {
   std::set<const void*> seen;
   int64_t n = 0;

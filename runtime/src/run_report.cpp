@@ -134,8 +134,8 @@ RunReport::RunReport(Trainer& trainer) : t_(trainer), summary_(std::make_unique<
               << "data:       " << t_.data().describe() << "\n"
               << "device:     " << t_.device().str() << ", precision " << precision_name(t_.precision()) << ", "
               << at::get_num_threads() << " threads\n"
-              << "batch:      " << tr.micro_batch << " x " << tr.accum_steps << " micro-batches x " << world.world_size
-              << (world.world_size == 1 ? " rank" : " ranks") << " = " << tr.micro_batch * tr.accum_steps * world.world_size
+              << "batch:      " << tr.micro_batch << " x " << tr.accum_steps << " micro-batches x " << t_.dims().dp
+              << (t_.dims().tp > 1 ? " data-parallel" : "") << (t_.dims().dp == 1 ? " rank" : " ranks") << " = " << tr.micro_batch * tr.accum_steps * t_.dims().dp
               << " samples per step\n"
               << "recompute:  " << t_.recompute_policy().describe() << "; head " << c.memory.head << "\n"
               << "MFU peak:   "
@@ -159,7 +159,8 @@ RunReport::RunReport(Trainer& trainer) : t_(trainer), summary_(std::make_unique<
       metrics_ << nlohmann::json({{"event", "resumed"}, {"step", t_.current_step()}, {"checkpoint", t_.resumed_from()}}).dump()
                << "\n";
   }
-  samples_per_step_ = static_cast<double>(tr.micro_batch * tr.accum_steps * world.world_size);
+  // Tensor parallel: the T ranks of a group train on the same samples.
+  samples_per_step_ = static_cast<double>(tr.micro_batch * tr.accum_steps * t_.dims().dp);
   tokens_per_step_ = samples_per_step_ * static_cast<double>(t_.model().tokens_per_sample());
   run_start_ = last_log_time_ = first_log_time_ = Clock::now();
   start_step_ = last_logged_step_ = t_.current_step();
@@ -172,7 +173,8 @@ RunReport::Rates RunReport::rates(double steps, double seconds) const {
   r.samples_per_s = samples_per_step_ * steps / seconds;
   r.tokens_per_s = tokens_per_step_ * steps / seconds;
   // Achieved FLOP/s (all ranks), and MFU as a fraction of their peak. 0: the model's FLOPs are unknown.
-  r.flops_per_s = samples_per_step_ * t_.model().train_flops_per_sample() * steps / seconds;
+  // (Tensor parallel: the model's FLOPs are its slice's, about 1/T of the whole; each of the T ranks does them.)
+  r.flops_per_s = samples_per_step_ * t_.model().train_flops_per_sample() * t_.dims().tp * steps / seconds;
   r.mfu = peak_.first > 0 ? r.flops_per_s / (peak_.first * t_.world().world_size) : 0;
   return r;
 }

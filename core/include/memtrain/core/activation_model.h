@@ -35,7 +35,12 @@ struct TransformerShape {
   int64_t block_parameters = 0;  // elements of one block and of the rest (embeddings, final norm, head)
   int64_t root_parameters = 0;
   int64_t largest_parameter = 0;  // elements of the largest single tensor
-  int64_t head_dim() const { return hidden / heads; }
+  // Tensor parallelism (dist.tensor_parallel): the shape of one rank's slice, heads, kv_heads, ffn and vocab already
+  // divided by `split`; with sequence_split, what lies between the split regions (norms, residuals) holds 1/split of
+  // the tokens. The column-parallel maps' input is the gathered (whole) hidden state, which their products keep.
+  int64_t split = 1;
+  bool sequence_split = false;
+  int64_t head_dim() const { return hidden / (heads * split); }
 };
 
 // LoRA's adapters on a frozen base (models/lora.h): rank, dropout, and the linear maps adapted by name (GPT: c_attn,

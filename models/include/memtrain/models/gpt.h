@@ -101,7 +101,8 @@ class GPT : public Model {
   double train_flops_per_sample() const override;
   int64_t tokens_per_sample() const override { return options_.block_size; }
   double block_activation_bytes(int64_t micro_batch, int64_t bytes_per_element) const override;
-  std::optional<TransformerShape> transformer_shape() const override { return options_.shape(); }
+  // Split T: the shape of this rank's slice (heads, kv heads, MLP width and vocabulary / T), what its activations are.
+  std::optional<TransformerShape> transformer_shape() const override { return split_shape(options_.shape(), tensor_parallel()); }
   std::string describe() const override;
   torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) const override;
   torch::Tensor loss_sum(const torch::Tensor& output, const torch::Tensor& target) const override;

@@ -93,6 +93,10 @@ class PackedScope {
   const PackedLayout* previous_;
 };
 
+// A transformer's shape as one rank of a tensor-parallel group holds it: heads, kv heads, MLP width and vocabulary
+// split T ways (the vocabulary rounded up); the same shape without tp.
+TransformerShape split_shape(TransformerShape shape, const TensorParallel* tp);
+
 namespace detail {
 // x @ W^T + b through at::linear, as Python's nn.Linear does. LibTorch's torch::nn::Linear::forward
 // (torch::nn::functional::linear) runs matmul and then a separate `+= bias` for inputs of more than two
