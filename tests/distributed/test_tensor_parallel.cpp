@@ -299,3 +299,40 @@ TEST(TensorParallel, EachRankHoldsItsSliceAndTheEstimateFollowsT) {
 
 }  // namespace
 }  // namespace memtrain
+
+namespace memtrain {
+namespace {
+
+// Hugging Face weights in (model.init_from: each rank reads its slices from the whole tensors; GPT-2's transposed
+// Conv1D, Qwen2's q, k, v biases, a vocabulary of 97 split 49 + 48) and chat records out (packed rows with the
+// block-diagonal mask, the loss a sum over trained tokens): 2 tensor-parallel ranks train as one process (1e-5).
+TEST(TensorParallel, HuggingFaceWeightsAndPackedRecordsOnTwoRanksAsOneProcess) {
+  test::TempDir dir;
+  for (const char* fixture : {"gpt2", "llama_gqa", "qwen2"}) {
+    auto run = [&](int T) {
+      const auto name = std::string(fixture) + std::to_string(T);
+      const std::string command =
+          (T > 1 ? test::binary("memtrain-run") + " --standalone --nproc-per-node 2 -- " : std::string()) +
+          test::binary("memtrain") + " --model.init_from=" + test::fixture(std::string("hf/") + fixture) +
+          " --data.dataset=chat --data.path=" + test::fixture("chat/gpt2") + " --model.block_size=16 --train.steps=3"
+          " --train.warmup_steps=0 --train.lr=1e-2 --train.eval_every=0 --log.every=1 --log.progress=lines"
+          " --train.micro_batch=4 --train.accum_steps=2 --dist.tensor_parallel=" + std::to_string(T) +
+          " --log.dir=" + dir.path() + " --log.name=" + name + " 2>&1";
+      int code = -1;
+      const auto out = test::shell(command, &code);
+      EXPECT_EQ(code, 0) << out;
+      const auto metrics = dir.path(name + "/metrics.jsonl");
+      return std::make_pair(test::metric_losses(metrics), test::metric_grad_norms(metrics));
+    };
+    const auto one = run(1), two = run(2);
+    ASSERT_EQ(one.first.size(), 3u) << fixture;
+    ASSERT_EQ(two.first.size(), 3u) << fixture;
+    for (size_t s = 0; s < 3; ++s) {
+      EXPECT_NEAR(two.first[s], one.first[s], 1e-5 * one.first[s]) << fixture << ", step " << s + 1;
+      EXPECT_NEAR(two.second[s], one.second[s], 1e-5 * one.second[s]) << fixture << ", grad norm, step " << s + 1;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace memtrain
