@@ -36,6 +36,15 @@ std::vector<Linear> block_linears(const TransformerShape& m) {
 
 }  // namespace
 
+TransformerShape split_transformer(TransformerShape shape, int64_t T, bool sequence) {
+  if (T <= 1) return shape;
+  shape.heads /= T, shape.kv_heads /= T, shape.ffn /= T;
+  shape.vocab = (shape.vocab + T - 1) / T;
+  shape.split = T;
+  shape.sequence_split = sequence;
+  return shape;
+}
+
 bool LoraShape::adapts(const std::string& name) const {
   return rank > 0 && std::find(targets.begin(), targets.end(), name) != targets.end();
 }

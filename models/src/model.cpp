@@ -55,13 +55,7 @@ torch::Tensor Model::loss_sum(const torch::Tensor& output, const torch::Tensor& 
 }
 
 TransformerShape split_shape(TransformerShape shape, const TensorParallel* tp) {
-  if (!tp || tp->size() == 1) return shape;
-  const int64_t T = tp->size();
-  shape.heads /= T, shape.kv_heads /= T, shape.ffn /= T;
-  shape.vocab = (shape.vocab + T - 1) / T;
-  shape.split = T;
-  shape.sequence_split = tp->sequence_parallel;
-  return shape;
+  return tp ? split_transformer(shape, tp->size(), tp->sequence_parallel) : shape;
 }
 
 int64_t Model::num_parameters() const {

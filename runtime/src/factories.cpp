@@ -76,10 +76,11 @@ std::string closed_form_families() {
 
 double reduced_part_bytes_per_element(const TrainOptions& t, const DistConfig& d, int world, bool cuda) {
   const bool bf16 = t.param_dtype == "bf16";
-  const bool sharded = world > 1 || d.offload_optimizer == "cpu";
+  const bool sharded = world > 1 || d.offload_optimizer == "cpu";  // every rank: tensor-parallel ones too
   const bool held_across = t.accum_steps > 1 && reduces_each_micro_batch(static_cast<int>(d.zero_stage), d.reduce == "micro_batch" || bf16);
   if (!sharded || d.zero_stage < 2 || held_across || (cuda && d.offload_optimizer == "cpu")) return 0;
-  return 4.0 / static_cast<double>(std::max(1, world));  // the stepped tensor's dtype: fp32 masters or fp32 parameters
+  const auto data_world = std::max<int64_t>(1, world / std::max<int64_t>(1, d.tensor_parallel));
+  return 4.0 / static_cast<double>(data_world);  // the stepped tensor's dtype: fp32 masters or fp32 parameters
 }
 
 int64_t config_vocab(const Config& config) {
@@ -97,7 +98,10 @@ int64_t config_vocab(const Config& config) {
 TransformerShape config_transformer_shape(const Config& config) {
   MEMTRAIN_CHECK(has_closed_form(config.model), ConfigError, "[estimate] model.name = ", config.model.name,
                  " has no closed form (", closed_form_families(), " do)");
-  return model_family(config.model.name).shape(config.model, config_vocab(config));
+  // dist.tensor_parallel: one rank's slice.
+  const auto& d = config.dist;
+  return split_transformer(model_family(config.model.name).shape(config.model, config_vocab(config)), d.tensor_parallel,
+                           d.tensor_parallel > 1 && d.sequence_parallel != "off");
 }
 
 EstimateInputs model_state_inputs(const Config& config, int world) {
@@ -109,7 +113,16 @@ EstimateInputs model_state_inputs(const Config& config, int world) {
                  "over the built model's names); estimate it without --target");
   const int64_t vocab = config_vocab(config);
   // Each tensor's elements, a block's and the rest's (the root unit: embeddings, final norm, an untied head).
-  const auto shapes = model_family(c.name).tensors(c, vocab);
+  auto shapes = model_family(c.name).tensors(c, vocab);
+  // dist.tensor_parallel = T: a rank holds 1/T of each block's linear weights and of the vocabulary's rows (the
+  // embedding, an untied head); norms and biases are counted whole (the column-parallel biases are split: a few
+  // elements over).
+  if (const int64_t T = config.dist.tensor_parallel; T > 1) {
+    for (int64_t i = 0; i < shapes.block_linears; ++i) shapes.block[static_cast<size_t>(i)] /= T;
+    const int64_t C = config_transformer_shape(config).hidden;
+    for (auto& n : shapes.root)
+      if (n == vocab * C) n = (vocab + T - 1) / T * C;
+  }
   const auto& block = shapes.block;
   const auto& root = shapes.root;
   const int64_t layers = shapes.layers;
@@ -165,7 +178,8 @@ EstimateInputs estimate_settings(const TrainOptions& t, const DistConfig& d, int
     for (auto n : trained)
       if (quantizes(*low, n)) in.quantized_elements += n;
   }
-  in.world = world;
+  in.world = static_cast<int>(std::max<int64_t>(1, world / std::max<int64_t>(1, d.tensor_parallel)));  // ZeRO's ranks
+  in.tensor_parallel = d.tensor_parallel > 1;
   in.stage = static_cast<int>(d.zero_stage);
   in.offload = d.offload_optimizer == "cpu";
   in.bucket_mib = d.bucket_mib;

@@ -196,7 +196,7 @@ MemoryEstimate estimate_memory(const EstimateInputs& in) {
   const int64_t pb = in.param_bytes;
   const int64_t blocks = std::accumulate(in.block_elements.begin(), in.block_elements.end(), int64_t{0});
   const int64_t p = blocks + in.root_elements;
-  const bool sharded = in.world > 1 || in.offload;
+  const bool sharded = in.world > 1 || in.offload || in.tensor_parallel;
   // Rank r steps elements [r S, (r + 1) S) of every bucket (padded to a multiple of N): about P / N.
   const int64_t part = (p + n - 1) / n;
   const int64_t stepped = !sharded || in.stage == 0 ? p : part;

@@ -93,6 +93,11 @@ int64_t TargetEstimate::device_peak() const {
 TargetEstimate estimate_for_target(const Config& config, const Target& target, int world) {
   TargetEstimate out;
   out.target = target, out.world = world;
+  // dist.tensor_parallel = T: each rank holds its slice (model_state_inputs, config_transformer_shape); ZeRO shards
+  // over the world / T data-parallel ranks (estimate_settings); the optimizer is sharded on any world above one.
+  const auto T = static_cast<int>(config.dist.tensor_parallel);
+  MEMTRAIN_CHECK(world % T == 0, ConfigError, "[config] dist.tensor_parallel = ", T, " must divide the ", world,
+                 " ranks of the target (--nproc-per-node x --nnodes)");
   auto in = model_state_inputs(config, world);
   in.cuda = target.cuda;
   const auto shape = config_transformer_shape(config);

@@ -410,9 +410,8 @@ EstimateInputs Trainer::estimate_inputs(int world, const std::string& optimizer)
   if (!optimizer.empty()) train.optimizer = optimizer;
   std::vector<int64_t> trained;
   for (const auto& p : params_) trained.push_back(p.numel());
-  // Tensor parallel: ZeRO shards over the data-parallel ranks (this rank's slices are params_).
-  const int data_world = world == world_.world_size ? world / dims_.tp : world;
-  auto in = estimate_settings(train, config_.dist, data_world, param_dtype_ != torch::kFloat, trained);
+  // Tensor parallel: this rank's slices are params_; estimate_settings shards ZeRO over world / T data-parallel ranks.
+  auto in = estimate_settings(train, config_.dist, world, param_dtype_ != torch::kFloat, trained);
   in.block_elements.assign(static_cast<size_t>(model_->num_blocks()), 0);
   for (size_t i = 0; i < params_.size(); ++i)
     (units_[i] < 0 ? in.root_elements : in.block_elements[static_cast<size_t>(units_[i])]) += params_[i].numel();

@@ -43,6 +43,10 @@ struct TransformerShape {
   int64_t head_dim() const { return hidden / (heads * split); }
 };
 
+// The shape of one rank's slice under tensor parallelism of degree T (dist.tensor_parallel): heads, kv heads, MLP width
+// and vocabulary (rounded up) divided by T; `sequence`: sequence parallelism between the split regions. T = 1: `shape`.
+TransformerShape split_transformer(TransformerShape shape, int64_t T, bool sequence);
+
 // LoRA's adapters on a frozen base (models/lora.h): rank, dropout, and the linear maps adapted by name (GPT: c_attn,
 // c_proj (both the attention's and the MLP's), c_fc; Llama: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
 // down_proj).

@@ -42,7 +42,7 @@ std::string closed_form_families();
 // gpt_options and llama_options (models/gpt.h, models/llama.h): the options a config describes.
 // What the config fixes in an estimate's inputs: bytes per element of the parameters (bf16 or fp32), masters and
 // optimizer state (low-bit: which of `trained`, the trained tensors' elements, are quantized), [dist] for `world`
-// ranks, and the batch.
+// ranks, and the batch. `world` counts every rank; with dist.tensor_parallel = T, ZeRO shards over world / T.
 EstimateInputs estimate_settings(const TrainOptions& train, const DistConfig& dist, int world, bool bf16_parameters,
                                  const std::vector<int64_t>& trained);
 // The estimate's model states for gpt and llama without building the model or reading data (each tensor's
@@ -53,7 +53,7 @@ EstimateInputs model_state_inputs(const Config& config, int world);
 // and the shape its activations are estimated from in closed form (ConfigError for other models).
 int64_t config_vocab(const Config& config);
 // ZeRO 2-3 without accumulation's held part: the bytes per trained element of a rank's reduced gradient part (4 / N
-// with fp32 masters, else the parameter bytes / N), which the closed form places in backward; 0 where the model
+// with fp32 masters, else the parameter bytes / N; N: the world's data-parallel ranks), which the closed form places in backward; 0 where the model
 // states count it (stages 0-1, a part held across micro-batches, or offloaded to a GPU's host).
 double reduced_part_bytes_per_element(const TrainOptions& train, const DistConfig& dist, int world, bool cuda);
 TransformerShape config_transformer_shape(const Config& config);

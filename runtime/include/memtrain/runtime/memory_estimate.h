@@ -56,7 +56,8 @@ struct EstimateInputs {
   // CUDA: the cuBLAS workspaces a step leaves allocated (cublas_workspace_bytes, device.h). Counted with activations
   // in closed form; a probe's measured activations already hold what the workspaces add.
   int64_t workspace_bytes = 0;
-  int world = 1;
+  int world = 1;                      // the data-parallel ranks ZeRO shards over (world / dist.tensor_parallel)
+  bool tensor_parallel = false;       // dist.tensor_parallel > 1: the optimizer is sharded (DataParallel) even on one
   int stage = 0;
   bool offload = false;               // dist.offload_optimizer = cpu
   double bucket_mib = 25;

@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""The PyTorch side of the tensor-parallel benchmark: transformers' LlamaForCausalLM split by PyTorch's own tensor
+parallelism (torch.distributed.tensor.parallel on a 1-D DeviceMesh over Gloo): q, k, v, gate and up ColwiseParallel,
+o and down RowwiseParallel, the token embedding RowwiseParallel (rows of the vocabulary, its partial sums all-reduced)
+and the head ColwiseParallel with its logits left sharded for `loss_parallel()`'s vocabulary-parallel cross-entropy,
+as torchtitan splits Llama (without sequence parallelism). AdamW, gradient clipping at 1.0, fp32, random tokens, the
+same on every rank of the group. Started by torchrun:
+
+  python -m torch.distributed.run --standalone --nproc-per-node 2 torch_tp.py --n_layer 4 ... --steps 15
+With one process (no torchrun) the model is not split. Rank 0 prints one JSON line: median ms/step after the
+warm-up, its peak RSS, and the parameter bytes it holds (its slices).
+"""
+import argparse, json, os, resource, statistics, time
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def split(model, T):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import Replicate
+    mesh = init_device_mesh("cpu", (T,))
+    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    for i in range(len(model.model.layers)):
+        p = f"model.layers.{i}."
+        plan.update({p + "self_attn.q_proj": ColwiseParallel(), p + "self_attn.k_proj": ColwiseParallel(),
+                     p + "self_attn.v_proj": ColwiseParallel(), p + "self_attn.o_proj": RowwiseParallel(),
+                     p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
+                     p + "mlp.down_proj": RowwiseParallel()})
+    parallelize_module(model, mesh, plan)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    for k, v in dict(n_layer=4, n_head=4, n_kv_head=2, n_embd=128, ffn=384, block_size=128, vocab=8192, micro_batch=16,
+                     steps=20, warmup=3, threads=1).items():
+        ap.add_argument("--" + k, type=int, default=v)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    T = int(os.environ.get("WORLD_SIZE", "1"))
+    if T > 1:
+        torch.distributed.init_process_group("gloo")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.n_embd, intermediate_size=a.ffn, num_hidden_layers=a.n_layer,
+                      num_attention_heads=a.n_head, num_key_value_heads=a.n_kv_head, max_position_embeddings=a.block_size,
+                      tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False)
+    model = LlamaForCausalLM(cfg)
+    model.train()
+    if T > 1:
+        split(model, T)
+    params = list(model.parameters())
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    param_bytes = sum(local(p).numel() * p.element_size() for p in params)
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-4, betas=(0.9, 0.95))
+    g = torch.Generator().manual_seed(1)
+    times, losses = [], []
+    for step in range(a.steps):
+        x = torch.randint(0, a.vocab, (a.micro_batch, a.block_size + 1), generator=g)
+        x, y = x[:, :-1], x[:, 1:]
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        logits = model(input_ids=x).logits
+        if T > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+            with loss_parallel():
+                loss = F.cross_entropy(logits.reshape(-1, a.vocab), y.reshape(-1))
+                loss.backward()
+        else:
+            loss = F.cross_entropy(logits.reshape(-1, a.vocab), y.reshape(-1))
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        losses.append(float(local(loss).item() if hasattr(loss, "to_local") else loss.item()))
+        if step >= a.warmup:
+            times.append(time.perf_counter() - t0)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({"ms_per_step": 1000 * statistics.median(times), "param_bytes": param_bytes,
+                          "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                          "first_loss": losses[0], "last_loss": losses[-1]}), flush=True)
+    if T > 1:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
