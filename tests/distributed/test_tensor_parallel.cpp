@@ -334,5 +334,46 @@ TEST(TensorParallel, HuggingFaceWeightsAndPackedRecordsOnTwoRanksAsOneProcess) {
   }
 }
 
+// The rows chat_ref.py's six records (4, 8, 3, 10, 5 and 6 input-target pairs) pack into at model.block_size = 16 in
+// train.seed's order (the test checks that the dataset says so).
+constexpr int kChatRows = 3;
+
+// PyTorch's own tensor parallelism as the oracle (scripts/reference/tp_ref.py): hf_models.py's GQA Llama split by
+// parallelize_module over two Gloo processes (q, k, v, gate, up ColwiseParallel; o, down RowwiseParallel; embedding
+// RowwiseParallel, 49 + 48 rows; head ColwiseParallel), 3 steps of SGD (lr 0.5, clipped at 1.0) on chat_ref.py's six
+// records, every record in every step. memtrain on 2 tensor-parallel ranks, with and without sequence parallelism,
+// one micro-batch holding every packed row: the same losses and pre-clip gradient norms (1e-5).
+TEST(TensorParallel, LossesAndGradientNormsEqualPyTorchsParallelizeModule) {
+  const auto ref = load_safetensors(test::fixture("tp/llama_gqa_ref.safetensors"));
+  const auto want_losses = ref.at("losses"), want_norms = ref.at("grad_norms");
+  ASSERT_EQ(want_losses.numel(), 3);
+  test::TempDir dir;
+  for (const char* sp : {"on", "off"}) {
+    const auto name = std::string("sp_") + sp;
+    const std::string command =
+        test::binary("memtrain-run") + " --standalone --nproc-per-node 2 -- " + test::binary("memtrain") +
+        " --model.init_from=" + test::fixture("hf/llama_gqa") + " --data.dataset=chat --data.path=" +
+        test::fixture("chat/llama_gqa") + " --model.block_size=16 --train.micro_batch=" + std::to_string(kChatRows) +
+        " --train.steps=3 --train.optimizer=sgd --train.momentum=0 --train.weight_decay=0 --train.lr=0.5"
+        " --train.min_lr=0.5 --train.warmup_steps=0 --train.grad_clip=1 --train.eval_every=0 --log.every=1"
+        " --log.progress=lines --dist.tensor_parallel=2 --dist.sequence_parallel=" + sp + " --log.dir=" + dir.path() +
+        " --log.name=" + name + " 2>&1";
+    int code = -1;
+    const auto out = test::shell(command, &code);
+    ASSERT_EQ(code, 0) << out;
+    // Every step trains on all six records once: the micro-batch is exactly the packed rows.
+    ASSERT_NE(out.find("6 training records packed into " + std::to_string(kChatRows) + " rows"), std::string::npos) << out;
+    const auto metrics = dir.path(name + "/metrics.jsonl");
+    const auto losses = test::metric_losses(metrics), norms = test::metric_grad_norms(metrics);
+    ASSERT_EQ(losses.size(), 3u) << out;
+    ASSERT_EQ(norms.size(), 3u) << out;
+    for (int64_t s = 0; s < 3; ++s) {
+      const double l = want_losses[s].item<double>(), n = want_norms[s].item<double>();
+      EXPECT_NEAR(losses[static_cast<size_t>(s)], l, 1e-5 * l) << "sequence parallel " << sp << ", step " << s + 1;
+      EXPECT_NEAR(norms[static_cast<size_t>(s)], n, 1e-5 * n) << "sequence parallel " << sp << ", grad norm, step " << s + 1;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace memtrain
