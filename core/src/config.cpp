@@ -701,8 +701,12 @@ void Config::validate() const {
     const auto T = dist.tensor_parallel;
     MEMTRAIN_CHECK(model.name == "gpt" || model.name == "llama", ConfigError, "[config] dist.tensor_parallel = ", T,
                    " splits gpt and llama models; model.name is ", model.name);
-    MEMTRAIN_CHECK(lora.rank == 0 && train.freeze.empty(), ConfigError, "[config] dist.tensor_parallel = ", T,
-                   " with LoRA or train.freeze is not supported yet (adapters are not split with their base maps)");
+    MEMTRAIN_CHECK(lora.init_from.empty(), ConfigError, "[config] dist.tensor_parallel = ", T,
+                   " with lora.init_from is not supported yet (the adapters are read whole, not by slice); start the "
+                   "adapters fresh, or resume a tensor-parallel checkpoint");
+    MEMTRAIN_CHECK(lora.quantize_base == "none", ConfigError, "[config] dist.tensor_parallel = ", T,
+                   " with lora.quantize_base = ", lora.quantize_base, " is not supported yet (NF4 blocks of a slice are "
+                   "not those of the whole weight); use lora.quantize_base = none");
     MEMTRAIN_CHECK(parse_budget_mib(memory.budget_mib) == 0, ConfigError, "[config] dist.tensor_parallel = ", T,
                    " with memory.budget_mib is not supported yet (the planner does not know T)");
     MEMTRAIN_CHECK(memory.head == "plain", ConfigError, "[config] dist.tensor_parallel = ", T, " with memory.head = ",

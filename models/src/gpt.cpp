@@ -81,7 +81,7 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x_in) {
                                             masked ? std::optional<torch::Tensor>(packed->mask) : std::nullopt,
                                             is_training() ? dropout : 0.0, /*is_causal=*/!masked);  // (B, nh, T, hs)
   y = y.transpose(1, 2).contiguous().view({B, T, C});
-  return resid_drop->forward(tp ? row_parallel_linear(y, c_proj->weight, c_proj->bias, tp) : detail::linear(y, *c_proj));
+  return resid_drop->forward(detail::row_parallel_linear(y, *c_proj, tp));
 }
 
 MLPBlockImpl::MLPBlockImpl(const GPTOptions& o) : tp(o.build.tp.get()) {
@@ -96,7 +96,7 @@ MLPBlockImpl::MLPBlockImpl(const GPTOptions& o) : tp(o.build.tp.get()) {
 torch::Tensor MLPBlockImpl::forward(const torch::Tensor& x) {
   // GPT-2's GELU is the tanh approximation.
   auto h = torch::gelu(detail::linear(tensor_parallel_enter(x, tp), *c_fc), "tanh");
-  return drop->forward(tp ? row_parallel_linear(h, c_proj->weight, c_proj->bias, tp) : detail::linear(h, *c_proj));
+  return drop->forward(detail::row_parallel_linear(h, *c_proj, tp));
 }
 
 TransformerBlockImpl::TransformerBlockImpl(const GPTOptions& o) : tp(o.build.tp.get()) {
@@ -188,6 +188,8 @@ torch::Tensor GPT::loss_sum(const torch::Tensor& output, const torch::Tensor& ta
 
 TensorSplit GPT::tensor_split(const std::string& name) const {
   if (!tensor_parallel()) return {};
+  if (name.ends_with(".lora_A") || name.ends_with(".lora_B"))  // LoRA: as its linear map's weight says
+    return adapter_split(name, tensor_split(name.substr(0, name.size() - 7) + ".weight"));
   const int64_t C = options_.n_embd;
   auto ends = [&](const char* suffix) { return name.ends_with(suffix); };
   if (name == "wte.weight") return {.dim = 0, .chunks = 1, .whole = options_.vocab_size};

@@ -137,7 +137,7 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x_in, const Rotar
                                             /*dropout_p=*/0.0, /*is_causal=*/!masked, /*scale=*/std::nullopt,
                                             /*enable_gqa=*/n_kv_head != n_head);
   y = y.transpose(1, 2).reshape({B, T, n_head * head_dim});
-  return tp ? row_parallel_linear(y, o_proj->weight, o_proj->bias, tp) : detail::linear(y, *o_proj);
+  return detail::row_parallel_linear(y, *o_proj, tp);
 }
 
 LlamaMLPImpl::LlamaMLPImpl(const LlamaOptions& o) : tp(o.build.tp.get()) {
@@ -152,7 +152,7 @@ torch::Tensor LlamaMLPImpl::forward(const torch::Tensor& x_in) {
   const auto x = tensor_parallel_enter(x_in, tp);
   auto gate = torch::silu(detail::linear(x, *gate_proj));
   auto product = gate * detail::linear(x, *up_proj);
-  return tp ? row_parallel_linear(product, down_proj->weight, down_proj->bias, tp) : detail::linear(product, *down_proj);
+  return detail::row_parallel_linear(product, *down_proj, tp);
 }
 
 LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaOptions& o) {
@@ -296,6 +296,8 @@ torch::Tensor Llama::loss_sum(const torch::Tensor& output, const torch::Tensor& 
 
 TensorSplit Llama::tensor_split(const std::string& name) const {
   if (!tensor_parallel()) return {};
+  if (name.ends_with(".lora_A") || name.ends_with(".lora_B"))  // LoRA: as its linear map's weight says
+    return adapter_split(name, tensor_split(name.substr(0, name.size() - 7) + ".weight"));
   const auto& o = options_;
   const int64_t q = o.n_head * o.head_dim(), kv = o.n_kv_head * o.head_dim();
   auto ends = [&](const char* suffix) { return name.ends_with(suffix); };

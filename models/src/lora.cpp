@@ -9,6 +9,7 @@
 
 #include "memtrain/core/error.h"
 #include "memtrain/models/nf4.h"
+#include "memtrain/models/tensor_parallel.h"
 
 namespace memtrain {
 
@@ -17,6 +18,8 @@ namespace {
 struct Adapter : torch::nn::Module {
   double scale = 1.0;
   double dropout = 0.0;
+  const TensorParallel* tp = nullptr;  // the model's, when its map is split: column (split_dim 0) or row (1)
+  int split_dim = -1;
 };
 
 std::string last_part(const std::string& path) { return path.substr(path.rfind('.') + 1); }
@@ -43,6 +46,10 @@ std::vector<std::string> add_lora(Model& model, const LoraOptions& o) {
     linear->register_parameter("lora_B", torch::zeros({out, o.rank}, a.options()));            // (out, rank)
     auto adapter = std::make_shared<Adapter>();
     adapter->scale = o.alpha / static_cast<double>(o.rank), adapter->dropout = o.dropout;
+    // Tensor parallel: the local weight's sizes give A and B theirs (a column-parallel map's B has its rows, a
+    // row-parallel map's A its columns); the forward needs to know which.
+    if (const auto* tp = model.tensor_parallel(); tp && tp->size() > 1)
+      adapter->tp = tp, adapter->split_dim = model.tensor_split(item.key() + ".weight").dim;
     linear->register_module("lora_settings", adapter);
     adapted.push_back(item.key());
     hit.insert(name);
@@ -82,17 +89,39 @@ int64_t freeze_matching(Model& model, const std::string& pattern) {
 }
 
 namespace detail {
+namespace {
+const Adapter* adapter_of(torch::nn::LinearImpl& m) {
+  const auto children = m.named_children();
+  const auto* settings = children.find("lora_settings");
+  return settings ? static_cast<const Adapter*>(settings->get()) : nullptr;
+}
+torch::Tensor adapter_input(const torch::Tensor& x, const Adapter& s, const torch::nn::LinearImpl& m) {
+  return s.dropout > 0 && m.is_training() ? torch::dropout(x, s.dropout, /*train=*/true) : x;
+}
+}  // namespace
+
 torch::Tensor linear(const torch::Tensor& x, torch::nn::LinearImpl& m) {
   const auto* nf4 = nf4_format_of(m);  // a frozen weight stored in NF4: dequantized inside the product
   auto y = nf4 ? nf4_linear(x, m.weight, *nf4, m.bias) : detail::linear(x, m.weight, m.bias);
-  const auto children = m.named_children();
-  const auto* settings = children.find("lora_settings");
-  if (!settings) return y;
-  const auto& s = static_cast<const Adapter&>(**settings);
+  const auto* s = adapter_of(m);
+  if (!s) return y;
   const auto params = m.named_parameters(/*recurse=*/false);
-  auto in = s.dropout > 0 && m.is_training() ? torch::dropout(x, s.dropout, /*train=*/true) : x;
+  auto a = params["lora_A"];
+  if (s->split_dim == 0) a = tensor_parallel_summed_gradient(a, s->tp);
   // peft's order: lora_B(lora_A(dropout(x))) * scaling, added to the base output.
-  return y + detail::linear(detail::linear(in, params["lora_A"]), params["lora_B"]) * s.scale;
+  return y + detail::linear(detail::linear(adapter_input(x, *s, m), a), params["lora_B"]) * s->scale;
+}
+
+torch::Tensor row_parallel_linear(const torch::Tensor& y, torch::nn::LinearImpl& m, const TensorParallel* tp) {
+  if (!tp || tp->size() == 1) return linear(y, m);
+  auto out = memtrain::row_parallel_linear(y, m.weight, m.bias, tp);
+  const auto* s = adapter_of(m);
+  if (!s) return out;
+  const auto params = m.named_parameters(/*recurse=*/false);
+  // A's columns are this rank's input features: A y is a partial sum, completed as the base's product is (its tokens
+  // scattered with sequence parallelism); B is whole, used on this rank's tokens (tensor_parallel_shared).
+  const auto u = tensor_parallel_exit(at::linear(adapter_input(y, *s, m), params["lora_A"]), tp);
+  return out + at::linear(u, tensor_parallel_shared(params["lora_B"], tp)) * s->scale;
 }
 }  // namespace detail
 

@@ -192,6 +192,17 @@ torch::Tensor tensor_parallel_shared(const torch::Tensor& p, const TensorParalle
   return Shared::apply(p, tp->group.get());
 }
 
+torch::Tensor tensor_parallel_summed_gradient(const torch::Tensor& p, const TensorParallel* tp) {
+  if (!active(tp)) return p;
+  return Shared::apply(p, tp->group.get());
+}
+
+TensorSplit adapter_split(const std::string& name, const TensorSplit& weight) {
+  if (name.ends_with("lora_A")) return weight.dim == 1 ? weight : TensorSplit{};
+  if (name.ends_with("lora_B")) return weight.dim == 0 ? weight : TensorSplit{};
+  return {};
+}
+
 torch::Tensor tensor_parallel_local_tokens(const torch::Tensor& x, const TensorParallel* tp) {
   if (!active(tp) || !tp->sequence_parallel) return x;
   const int64_t T = x.size(1), n = tp->size();

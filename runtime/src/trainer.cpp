@@ -106,8 +106,11 @@ class InitialValues {
       return;
     }
     InitSpec spec;
-    if (name.ends_with("lora_A")) {  // peft: nn.Linear's default, U(-1/sqrt(in), 1/sqrt(in))
-      const double bound = 1.0 / std::sqrt(static_cast<double>(shapes_.at(name).at(1)));
+    if (name.ends_with("lora_A")) {  // peft: nn.Linear's default, U(-1/sqrt(in), 1/sqrt(in)); `in` of the whole map
+      const auto split = model_.tensor_split(name);
+      const auto& local = shapes_.at(name);
+      const int64_t in = split.split() ? whole_sizes(split, local).at(1) : local.at(1);
+      const double bound = 1.0 / std::sqrt(static_cast<double>(in));
       spec = InitSpec::uniform(-bound, bound);
     } else if (!name.ends_with("lora_B")) {  // lora_B: zero
       spec = init_(config_.model, name);

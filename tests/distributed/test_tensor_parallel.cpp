@@ -175,6 +175,35 @@ TEST(TensorParallel, GqaLlamaOnTwoRanksTrainsAsOneProcess) {
                        "T = 2 without sequence parallelism");
 }
 
+// LoRA's adapters split with their maps (a column-parallel map's B by rows, GPT's fused c_attn by q, k, v block, and
+// its A whole with the gradient summed over the group; a row-parallel map's A by columns, its B whole) and train.freeze
+// on a split model (the vocabulary-split embedding, column-split k_proj weights and the replicated norms frozen): as
+// one process, with and without sequence parallelism, and on a 2 x 2 grid with ZeRO-3 (frozen buckets sharded too).
+TEST(TensorParallel, LoraAndFrozenParametersTrainAsOneProcess) {
+  test::TempDir dir;
+  const std::string gpt_lora = kGpt + " --lora.rank=4 --lora.alpha=8 --lora.targets=c_attn,c_proj,c_fc --train.lr=1e-2";
+  const auto gpt = train(dir, "gpt_lora", 1, 8, gpt_lora);
+  expect_same_training(gpt, train(dir, "gpt_lora_t2", 2, 8, gpt_lora + " --dist.tensor_parallel=2"),
+                       "GPT, LoRA on every map, T = 2, sequence parallel");
+  const std::string llama_lora =
+      kLlama + " --lora.rank=4 --lora.targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --train.lr=1e-2";
+  const auto llama = train(dir, "llama_lora", 1, 8, llama_lora);
+  expect_same_training(llama,
+                       train(dir, "llama_lora_t2", 2, 8, llama_lora + " --dist.tensor_parallel=2 --dist.sequence_parallel=off"),
+                       "Llama, LoRA on every map, T = 2 without sequence parallelism");
+  expect_same_training(llama,
+                       train(dir, "llama_lora_2x2", 4, 4, llama_lora + " --dist.tensor_parallel=2 --dist.zero_stage=3"),
+                       "Llama, LoRA on every map, 2 x 2, ZeRO-3");
+  const std::string frozen = kLlama + " --train.freeze='model\\.embed_tokens\\.weight|.*k_proj\\.weight|.*layernorm\\.weight'";
+  const auto one = train(dir, "frozen", 1, 8, frozen);
+  const auto two = train(dir, "frozen_t2", 2, 8, frozen + " --dist.tensor_parallel=2");
+  expect_same_training(one, two, "Llama, train.freeze, T = 2, sequence parallel");
+  EXPECT_NE(two.output.find("parameters match"), std::string::npos) << two.output;
+  // The frozen, vocabulary-split embedding comes back whole and bitwise one process's.
+  ASSERT_TRUE(two.weights.count("model.embed_tokens.weight"));
+  EXPECT_TRUE(torch::equal(two.weights.at("model.embed_tokens.weight"), one.weights.at("model.embed_tokens.weight")));
+}
+
 // 2 x 2: tensor parallel within pairs of ranks, ZeRO across them (each data-parallel rank half the samples).
 TEST(TensorParallel, TwoByTwoGridsWithZeroTrainAsOneProcess) {
   test::TempDir dir;
@@ -243,6 +272,9 @@ TEST(TensorParallel, RefusesWhatItCannotSplit) {
   EXPECT_NE(refused("world", 2, kGpt + " --dist.tensor_parallel=4").find("dist.tensor_parallel = 4 must divide the 2 ranks"),
             std::string::npos);
   EXPECT_NE(refused("fused", 2, kGpt + " --dist.tensor_parallel=2 --memory.head=fused").find("memory.head = plain"),
+            std::string::npos);
+  EXPECT_NE(refused("nf4", 2, kLlama + " --lora.rank=4 --lora.targets=q_proj --lora.quantize_base=nf4 --dist.tensor_parallel=2")
+                .find("lora.quantize_base = nf4 is not supported yet"),
             std::string::npos);
 }
 

@@ -36,8 +36,13 @@ int64_t freeze_all_but_lora(Model& model);
 int64_t freeze_matching(Model& model, const std::string& pattern);
 
 namespace detail {
-// x W^T + b, plus the module's adapter if it has one: B (A dropout(x)) alpha / rank.
+// x W^T + b, plus the module's adapter if it has one: B (A dropout(x)) alpha / rank. Under tensor parallelism a
+// column-parallel map's A is whole and its gradient summed over the group (each rank's B slice gives a part of it).
 torch::Tensor linear(const torch::Tensor& x, torch::nn::LinearImpl& m);
+// A row-parallel map (y: this rank's input features, tp null or of size 1: linear()): the partial products summed over
+// the group (reduce-scattered over the tokens with sequence parallelism), then the whole bias; its adapter's A y
+// (tokens, rank) is summed the same way before the whole B.
+torch::Tensor row_parallel_linear(const torch::Tensor& y, torch::nn::LinearImpl& m, const TensorParallel* tp);
 }  // namespace detail
 
 }  // namespace memtrain

@@ -96,6 +96,9 @@ torch::Tensor tensor_parallel_sum(const torch::Tensor& x, const TensorParallel* 
 // A whole parameter used on this rank's tokens only (sequence parallel): identity forward, its gradient summed over the
 // group in backward. Without sequence parallelism: the parameter itself.
 torch::Tensor tensor_parallel_shared(const torch::Tensor& p, const TensorParallel* tp);
+// A whole parameter whose gradient each rank computes only in part (a LoRA A beside a column-parallel map: each rank's
+// B slice contributes): identity forward, its gradient summed over the group in backward, whatever the sequence mode.
+torch::Tensor tensor_parallel_summed_gradient(const torch::Tensor& p, const TensorParallel* tp);
 // The tokens of this rank (sequence parallel): x.narrow(1, rank t, t); else x.
 torch::Tensor tensor_parallel_local_tokens(const torch::Tensor& x, const TensorParallel* tp);
 
@@ -103,6 +106,11 @@ torch::Tensor tensor_parallel_local_tokens(const torch::Tensor& x, const TensorP
 // summed over the group (tensor_parallel_exit), then the whole bias (a shared parameter) if defined.
 torch::Tensor row_parallel_linear(const torch::Tensor& y, const torch::Tensor& weight, const torch::Tensor& bias,
                                   const TensorParallel* tp);
+
+// Where LoRA's adapter of a split linear map sits (`weight`: the map's weight's split): lora_A (rank, in) splits as a
+// row-parallel weight's input features, lora_B (out, rank) as a column-parallel weight's output features (a fused
+// q, k, v: by block); the other one is whole on every rank.
+TensorSplit adapter_split(const std::string& name, const TensorSplit& weight);
 
 // The vocabulary-parallel embedding: rows [vocab_begin, vocab_begin + rows) of the table on this rank; the result holds
 // the rows of the ids in that range and zeros elsewhere (a partial sum; tensor_parallel_exit completes it).
