@@ -194,9 +194,11 @@ int plan_target(const memtrain::Config& config, const std::string& target_spec, 
   const int world = nproc_per_node * nnodes;
   const auto plan = memtrain::plan_for_target(config, target, world, nproc_per_node);
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count();
-  const int64_t global = config.train.micro_batch * config.train.accum_steps;
+  const int64_t global = config.train.micro_batch * config.train.accum_steps;  // per data-parallel rank
+  const int64_t data = world / std::max<int64_t>(1, config.dist.tensor_parallel);
   std::cout << "plan for " << world << " x " << target.name << " (" << memtrain::format_bytes(target.bytes) << " each), "
-            << global << " samples per rank per step (" << global * world << " in all), leaving memory.budget_headroom = "
+            << global << " samples per data-parallel rank per step (" << global * data << " in all; tensor "
+            << "parallelism up to the GPUs of a node keeps them), leaving memory.budget_headroom = "
             << config.memory.budget_headroom << " free: " << plan.fitting.size() << " of " << plan.considered
             << " settings fit (" << ms << " ms)\n";
   MEMTRAIN_CHECK(!plan.fitting.empty(), memtrain::ConfigError, "[plan] nothing fits ", world, " x ", target.name,

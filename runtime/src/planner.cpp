@@ -19,6 +19,7 @@ std::string PlanCandidate::describe() const {
   o << "micro-batch " << micro_batch << " x " << accum_steps << ", recompute " << recompute << ", head " << head
     << ", stage " << stage;
   if (offload) o << " + offload";
+  if (tensor_parallel > 1) o << ", tensor parallel " << tensor_parallel;
   if (!optimizer.empty()) o << ", train.optimizer " << optimizer;
   if (!quantize_base.empty()) o << ", lora.quantize_base " << quantize_base;
   return o.str();
@@ -30,6 +31,7 @@ void PlanCandidate::apply_to(Config& config) const {
   config.dist.zero_stage = stage, config.dist.offload_optimizer = offload ? "cpu" : "none";
   if (!optimizer.empty()) config.train.optimizer = optimizer;
   if (!quantize_base.empty()) config.lora.quantize_base = quantize_base;
+  config.dist.tensor_parallel = tensor_parallel;
 }
 
 double recompute_fraction(const std::string& policy) {

@@ -130,6 +130,8 @@ StepSettings step_settings(const Config& config, int world, int nproc_per_node) 
   s.half_matmuls = bf16_params || config.train.precision != "fp32";
   s.lora = config.lora.rank > 0;
   s.world = world, s.nproc_per_node = std::min(nproc_per_node, world);
+  s.tensor_parallel = static_cast<int>(config.dist.tensor_parallel);
+  s.activation_bytes = s.half_matmuls ? 2 : 4;
   const auto in = model_state_inputs(config, world);
   s.trained_elements = std::accumulate(in.block_elements.begin(), in.block_elements.end(), in.root_elements);
   s.parameter_elements = s.trained_elements + in.frozen_elements;
@@ -191,8 +193,10 @@ StepTime predict_step(const StepSettings& s, const TargetSpeed& speed) {
   t.compute_s = accum * micro + t.recompute_s;
   t.overhead_s = accum * layers * kKernelsPerBlock * speed.kernel_overhead_s;
   // 3. Communication: ring collectives move (N - 1) / N of the bytes per rank, at the slowest link's bus bandwidth.
-  if (s.world > 1) {
-    const double share = static_cast<double>(s.world - 1) / s.world;
+  //    ZeRO's over the data-parallel ranks (every T-th), which span nodes when the world does.
+  const int data = s.world / std::max(1, s.tensor_parallel);
+  if (data > 1) {
+    const double share = static_cast<double>(data - 1) / data;
     const double link = s.world > s.nproc_per_node ? speed.inter_node_bytes_per_s : speed.intra_node_bytes_per_s;
     const double grads = static_cast<double>(s.trained_elements * s.grad_bytes);
     const double params = static_cast<double>(s.parameter_elements * s.param_bytes);
@@ -209,8 +213,18 @@ StepTime predict_step(const StepSettings& s, const TargetSpeed& speed) {
     t.communication_s = overlapped + after;
     t.exposed_s = std::max(0.0, overlapped - window) + after;
   }
+  //    Tensor parallel, within a node, in units of one all-gather (or reduce-scatter) of the micro-batch's tokens x
+  //    hidden: an all-reduce is two. A block's forward runs 2 all-reduces (sequence parallel: 2 all-gathers and 2
+  //    reduce-scatters), 4 units; its backward 4; a recomputed forward 4 again; the embedding and the head 4 in all.
+  if (const int T = s.tensor_parallel; T > 1) {
+    const double bytes = static_cast<double>(tokens * m.hidden * s.activation_bytes);
+    const double unit = static_cast<double>(T - 1) / T * bytes / speed.intra_node_bytes_per_s;
+    t.tensor_parallel_s = accum * (layers * (8 + 4 * s.recompute_fraction) + 4) * unit;
+    t.communication_s += t.tensor_parallel_s;
+    t.exposed_s += t.tensor_parallel_s;
+  }
   // 4. The optimizer on this rank's part (or the host's, offloaded).
-  const double part = static_cast<double>(s.trained_elements) / (s.stage >= 1 ? s.world : 1);
+  const double part = static_cast<double>(s.trained_elements) / (s.stage >= 1 ? data : 1);
   if (s.offload) {
     t.offload_s = offload_step_ms(static_cast<int64_t>(part), s.grad_bytes, s.param_bytes,
                                   speed.timed ? speed.optimizer_ns_per_element : kHostUpdateNs) / 1e3;

@@ -144,6 +144,7 @@ std::vector<std::string> TargetPlan::overrides(const PlanCandidate& c) const {
                                 std::string("--dist.offload_optimizer=") + (c.offload ? "cpu" : "none")};
   if (!c.optimizer.empty()) o.push_back("--train.optimizer=" + c.optimizer);
   if (!c.quantize_base.empty()) o.push_back("--lora.quantize_base=" + c.quantize_base);
+  o.push_back("--dist.tensor_parallel=" + std::to_string(c.tensor_parallel));
   return o;
 }
 
@@ -152,14 +153,24 @@ TargetPlan plan_for_target(const Config& config, const Target& target, int world
   const auto speed = target_speed(target, config.train.param_dtype == "bf16" || config.train.precision != "fp32");
   plan.speed_source = speed.source;
   const auto& t = config.train;
-  const int64_t global = t.micro_batch * t.accum_steps;  // per rank
-  std::vector<int64_t> micro;
-  for (int64_t mb = global; mb >= 1; mb /= 2)
-    if (global % mb == 0) micro.push_back(mb);
+  // The global batch stays: train.micro_batch x train.accum_steps per data-parallel rank of the configured T, so a
+  // rank's share is that / T, and a data-parallel rank of another T' takes T' shares.
+  const int configured_T = static_cast<int>(std::max<int64_t>(1, config.dist.tensor_parallel));
+  const int64_t configured = t.micro_batch * t.accum_steps;
+  // Tensor parallelism: T up to the GPUs of one node, dividing the world, the heads, the kv heads and the MLP width;
+  // gpt and llama models without the keys it refuses.
+  std::vector<int> degrees = {1};
+  const int node = nproc_per_node > 0 ? std::min(nproc_per_node, world) : world;
+  if ((config.model.name == "gpt" || config.model.name == "llama") && config.lora.init_from.empty() &&
+      config.lora.quantize_base == "none" && t.precision != "fp16" && t.optimizer != "adamw8bit" && t.optimizer != "adamw4bit") {
+    const auto whole = model_family(config.model.name).shape(config.model, config_vocab(config));
+    for (int T = 2; T <= node; T *= 2)
+      if (world % T == 0 && whole.heads % T == 0 && whole.kv_heads % T == 0 && whole.ffn % T == 0) degrees.push_back(T);
+  }
+  if (std::find(degrees.begin(), degrees.end(), configured_T) == degrees.end()) degrees.push_back(configured_T);
+  if (configured % configured_T != 0) degrees = {configured_T};  // a share that does not divide: T as configured
   const std::vector<std::string> policies = {"none", "every:2", "attn", "all"};
   const std::vector<std::string> heads = {"plain", "fused"};
-  std::vector<int> stages = {0};
-  if (world > 1) stages = {0, 1, 2, 3};
   std::vector<bool> offloads = {false};
   if (target.cuda && t.precision != "fp16") offloads = {false, true};
   std::vector<std::string> optimizers = {""};
@@ -175,15 +186,26 @@ TargetPlan plan_for_target(const Config& config, const Target& target, int world
   std::vector<PlanCandidate> fitting;
   for (size_t level = 0; level < levels.size(); ++level) {
     const auto& [base, o] = levels[level];
-    for (auto mb : micro)
+    for (int T : degrees) {
+      if (T > 1 && (!base.empty() || !optimizers[o].empty())) continue;  // NF4 and low-bit state: not split yet
+      const int data = world / T;
+      const int64_t samples = T == configured_T ? configured : configured / configured_T * T;  // per data-parallel rank
+      std::vector<int64_t> micro;
+      for (int64_t mb = samples; mb >= 1; mb /= 2)
+        if (samples % mb == 0) micro.push_back(mb);
+      std::vector<int> stages = {0};
+      if (data > 1) stages = {0, 1, 2, 3};
+      for (auto mb : micro)
       for (const auto& policy : policies)
         for (const auto& head : heads)
           for (int stage : stages)
             for (bool offload : offloads) {
-              if (offload && stage == 0 && world > 1) continue;
-              PlanCandidate c{.micro_batch = mb, .accum_steps = global / mb, .recompute = policy, .head = head,
-                              .stage = offload && world == 1 ? 1 : stage, .offload = offload, .optimizer = optimizers[o],
-                              .lowbit_rank = static_cast<int>(level), .quantize_base = base, .estimate = {}};
+              if (offload && stage == 0 && data > 1) continue;
+              if (T > 1 && head != "plain") continue;  // the vocabulary-parallel head already splits the logits
+              PlanCandidate c{.micro_batch = mb, .accum_steps = samples / mb, .recompute = policy, .head = head,
+                              .stage = offload && data == 1 ? 1 : stage, .offload = offload, .optimizer = optimizers[o],
+                              .lowbit_rank = static_cast<int>(level), .quantize_base = base, .tensor_parallel = T,
+                              .estimate = {}};
               auto v = config;
               c.apply_to(v);
               const auto e = estimate_for_target(v, target, world);
@@ -195,6 +217,7 @@ TargetPlan plan_for_target(const Config& config, const Target& target, int world
               c.step_ms = time.total_s * 1e3, c.tokens_per_s = time.tokens_per_s;
               if (c.estimate.peak_device() <= usable) fitting.push_back(c);
             }
+    }
     if (!fitting.empty()) break;  // fewer bits only where nothing with more fits
   }
   std::stable_sort(fitting.begin(), fitting.end(), [](const PlanCandidate& a, const PlanCandidate& b) {

@@ -6,8 +6,8 @@ scripts/bench/torch_tp.py) on this CPU, side by side in one run.
 
 The model is a Llama of 4 layers, 256 wide, 8 heads sharing 4 key/value heads, SwiGLU 768, vocabulary 8,192, context
 128, micro-batch 8, fp32, AdamW, clipping at 1.0, random tokens; one intra-op thread per rank, Gloo. Rows: one
-process (T = 1), and T = 2 ranks splitting the model (memtrain without and with sequence parallelism; PyTorch without,
-as torchtitan's plan for a model without SequenceParallel-ready norms). Each setting runs `rounds` times, alternating
+process (T = 1), and T = 2 and 4 ranks splitting the model (memtrain without and with sequence parallelism; PyTorch
+without: transformers' norms and rotary embedding would need their own SequenceParallel plan). Each setting runs `rounds` times, alternating
 memtrain and PyTorch; a row reports the median of the rounds' median ms/step after the warm-up (rank 0), rank 0's peak
 RSS (the kernel's count), and the parameter bytes a rank holds (memtrain's tracker; PyTorch: its DTensors' local
 shards). The ratio is memtrain's time over PyTorch's at the same T.
@@ -74,6 +74,8 @@ def main():
         ("T = 1 (one process)", 1, [], 1),
         ("T = 2, no sequence parallelism", 2, ["--dist.sequence_parallel=off"], 2),
         ("T = 2, sequence parallelism", 2, ["--dist.sequence_parallel=on"], None),
+        ("T = 4, no sequence parallelism", 4, ["--dist.sequence_parallel=off"], 4),
+        ("T = 4, sequence parallelism", 4, ["--dist.sequence_parallel=on"], None),
     ]
     results = {}
     with tempfile.TemporaryDirectory() as work:
@@ -92,7 +94,8 @@ def main():
              "(foreach) on its DTensors. memtrain: `dist.tensor_parallel`, the plain head with its vocabulary-parallel "
              f"cross-entropy. {a.rounds} rounds alternating the two, {STEPS} steps each; ms/step is the median of the "
              f"rounds' medians after {WARMUP} warm-up steps, rank 0's. On 2 cores a second rank adds a core, not a "
-             "second GPU: the T = 2 rows measure the split's overhead (collectives, smaller matrices), not a speed-up.",
+             "second GPU, and T = 4 puts two ranks on each core: the T > 1 rows measure the split's overhead (collectives, "
+             "smaller matrices), not a speed-up.",
              "", "| setting | memtrain ms/step | PyTorch ms/step | ratio | memtrain params / rank | PyTorch params / rank | "
              "memtrain peak RSS rank 0 | PyTorch peak RSS rank 0 | memtrain counted tensor peak | first loss (memtrain, PyTorch) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -108,7 +111,8 @@ def main():
                      f"{m[0]['first_loss']:.3f}, {tloss} |")
         print(lines[-1], flush=True)
     lines += ["", "The first losses are both near ln(8192) = 9.01 (random tokens, the same initial-value scale); the "
-              "two sides draw different weights and tokens, so only times and bytes are compared."]
+              "two sides draw different weights and tokens, so only times and bytes are compared here (the same "
+              "weights and data: TensorParallel.LossesAndGradientNormsEqualPyTorchsParallelizeModule)."]
     open(a.out, "w").write("\n".join(lines) + "\n")
     print(f"wrote {a.out}")
 

@@ -3,7 +3,7 @@
 parallelism (torch.distributed.tensor.parallel on a 1-D DeviceMesh over Gloo): q, k, v, gate and up ColwiseParallel,
 o and down RowwiseParallel, the token embedding RowwiseParallel (rows of the vocabulary, its partial sums all-reduced)
 and the head ColwiseParallel with its logits left sharded for `loss_parallel()`'s vocabulary-parallel cross-entropy,
-as torchtitan splits Llama (without sequence parallelism). AdamW, gradient clipping at 1.0, fp32, random tokens, the
+as torchtitan splits Llama (without sequence parallelism). AdamW, gradient clipping at 1.0 (clip_grad_norm_'s rule: clip() below), fp32, random tokens, the
 same on every rank of the group. Started by torchrun:
 
   python -m torch.distributed.run --standalone --nproc-per-node 2 torch_tp.py --n_layer 4 ... --steps 15
@@ -32,6 +32,24 @@ def split(model, T):
                      p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
                      p + "mlp.down_proj": RowwiseParallel()})
     parallelize_module(model, mesh, plan)
+
+
+def clip(params, max_norm):
+    """clip_grad_norm_ over a model whose split parameters are DTensors and the rest (norms) plain tensors: its foreach
+    norm refuses the mix, so each kind's norm is taken apart (get_total_norm; the DTensors' is reduced over the mesh)
+    and both kinds are scaled by the same coefficient."""
+    dt = [p.grad for p in params if p.grad is not None and hasattr(p.grad, "full_tensor")]
+    plain = [p.grad for p in params if p.grad is not None and not hasattr(p.grad, "full_tensor")]
+    total = 0.0
+    for grads in (dt, plain):
+        if grads:
+            n = torch.nn.utils.get_total_norm(grads)
+            n = n.full_tensor() if hasattr(n, "full_tensor") else n
+            total += float(n) ** 2
+    coef = min(1.0, max_norm / (total ** 0.5 + 1e-6))
+    for grads in (dt, plain):
+        if grads and coef < 1.0:
+            torch._foreach_mul_(grads, coef)
 
 
 def main():
@@ -75,7 +93,7 @@ def main():
         else:
             loss = F.cross_entropy(logits.reshape(-1, a.vocab), y.reshape(-1))
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        clip(params, 1.0)
         opt.step()
         losses.append(float(local(loss).item() if hasattr(loss, "to_local") else loss.item()))
         if step >= a.warmup:

@@ -233,6 +233,31 @@ TEST(StepTime, CollectivesMoveTheirBytesAtTheBusBandwidthAndOverlapTheBackward) 
   EXPECT_NEAR(t.optimizer_s, P / 8 * 32 / 3.35e12, 1e-9 * t.optimizer_s);
 }
 
+// dist.tensor_parallel = 2 on 8 GPUs of a node: ZeRO-2 runs over the 4 data-parallel ranks (a rank's slice: the block
+// linears' weights and the vocabulary's rows halved, biases and norms counted whole), and each micro-batch's tensor-
+// parallel collectives are 8 per block and 4 more all-gathers' worth of its tokens x C bf16 activations, all exposed.
+TEST(StepTime, TensorParallelCollectivesAreExposedAndZeroRunsOverTheDataRanks) {
+  const int64_t L = 2, C = 64, Tc = 32, V = 256, B = 4, A = 3, T = 2;
+  auto c = Config::load("", {"--model.n_layer=2", "--model.n_head=2", "--model.n_embd=64", "--model.block_size=32",
+                             "--model.vocab_size=256", "--train.micro_batch=4", "--train.accum_steps=3",
+                             "--train.precision=bf16", "--dist.zero_stage=2", "--dist.tensor_parallel=2"});
+  const auto s = step_settings(c, 8, 8);
+  const double P = L * (12.0 * C * C / T + 13 * C) + (V / T) * C + Tc * C + 2 * C;
+  EXPECT_EQ(s.trained_elements, static_cast<int64_t>(P));
+  const auto speed = target_speed(parse_target("h100-80gb"), s.half_matmuls);
+  const auto t = predict_step(s, speed);
+  const double nvlink = 0.8 * 450e9;
+  const double unit = (T - 1.0) / T * (B * Tc * C * 2) / nvlink;  // one all-gather of a micro-batch's activations
+  EXPECT_NEAR(t.tensor_parallel_s, A * (8 * L + 4) * unit, 1e-9 * t.tensor_parallel_s);
+  const double data_share = 3.0 / 4;  // ZeRO's ring over 4 data-parallel ranks, fp32 gradients of the slice
+  EXPECT_NEAR(t.communication_s - t.tensor_parallel_s, 2 * data_share * 4 * P / nvlink, 1e-9 * t.communication_s);
+  EXPECT_GE(t.exposed_s, t.tensor_parallel_s);
+  EXPECT_NEAR(t.tokens_per_s, A * B * Tc * 4 / t.total_s, 1e-6 * t.tokens_per_s);  // 4 data-parallel ranks' samples
+  // Recomputing every block runs its forward collectives again: 4 more units per block and micro-batch.
+  c.memory.recompute = "all";
+  EXPECT_NEAR(predict_step(step_settings(c, 8, 8), speed).tensor_parallel_s, A * (12 * L + 4) * unit, 1e-9 * t.tensor_parallel_s);
+}
+
 TEST(StepTime, ACpuTargetTimesItsMatmulsHere) {
   auto c = Config::load("", {"--model.vocab_size=256"});
   const auto speed = target_speed(parse_target("cpu:8GiB"), false);

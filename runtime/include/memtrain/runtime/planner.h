@@ -31,6 +31,9 @@ struct PlanCandidate {
   // lora.quantize_base when the target planner changes it (memory.allow_quantized_base: nf4); "" = as configured.
   // Ranked after every setting with the configured base, as fewer bits are.
   std::string quantize_base;
+  // dist.tensor_parallel (plan --target: up to the GPUs of a node; micro_batch x accum_steps is then each data-parallel
+  // rank's, T times a rank's share of the global batch, which stays the same).
+  int tensor_parallel = 1;
   MemoryEstimate estimate;
   double step_ms = 0;              // predicted step time (the time model: step_time.h, plan_step_cost or the probe's timings)
   double tokens_per_s = 0;         // all ranks' tokens per second at step_ms (step_time.h's model only; 0 otherwise)

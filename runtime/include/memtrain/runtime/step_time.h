@@ -15,6 +15,10 @@
 // Communication (stages 0-3) moves bytes over the slowest link the ranks use at the ring's bus bandwidth; the
 // reductions overlap the backward and stage 3's prefetched gathers the forward and backward: only what they exceed
 // their window by is exposed, plus what cannot overlap (the parameters' all-gather after stages 1-2's step).
+// Tensor parallelism (dist.tensor_parallel = T, the shape a rank's slice): ZeRO runs over world / T ranks, and each
+// block's forward moves its activations (tokens x hidden) through 2 all-reduces (with sequence parallelism 2 all-gathers
+// and 2 reduce-scatters: the same bytes), its backward as many, a recomputed forward again; the embedding's and the
+// head's one each. They sit between the block's matmuls: all exposed, over the node's link.
 #pragma once
 
 #include <cstdint>
@@ -61,11 +65,13 @@ struct StepSettings {
   bool half_matmuls = false;       // train.precision bf16 | fp16, or train.param_dtype = bf16
   bool lora = false;               // a frozen base: its linears' weights get no gradient
   int world = 1, nproc_per_node = 1;
+  int tensor_parallel = 1;         // dist.tensor_parallel: ZeRO over world / tensor_parallel ranks
+  int64_t activation_bytes = 4;    // an activation element's bytes (2 with 16-bit matmuls)
   int64_t trained_elements = 0;    // every rank's stepped elements in all (the optimizer steps 1/N of them)
   int64_t parameter_elements = 0;  // trained + frozen (stage 3 gathers them all)
   int64_t param_bytes = 4, grad_bytes = 4;
   bool reduce_every_micro_batch = false;
-  int64_t tokens_per_step() const { return micro_batch * accum_steps * shape.context * world; }
+  int64_t tokens_per_step() const { return micro_batch * accum_steps * shape.context * (world / tensor_parallel); }
 };
 
 struct StepTime {
@@ -73,6 +79,7 @@ struct StepTime {
   double recompute_s = 0;      // of which the recomputed forward
   double communication_s = 0;  // every collective's time, overlapped or not
   double exposed_s = 0;        // what the step waits for of it
+  double tensor_parallel_s = 0;  // of communication_s (and exposed_s), the tensor-parallel collectives
   double optimizer_s = 0;
   double offload_s = 0;        // the CPU update and the host link's copies (offload only)
   double overhead_s = 0;       // kernel launches (GPU)

@@ -55,7 +55,9 @@ struct TargetPlan {
 };
 // Every setting that keeps the global batch (train.micro_batch x train.accum_steps per rank): micro-batches
 // dividing it, recompute none | every:2 | attn | all, head plain | fused, ZeRO stage 0-3 (several ranks), optimizer
-// offload (CUDA targets), and with memory.allow_lowbit_optimizer AdamW's 8- and 4-bit state; those whose device
+// offload (CUDA targets), tensor parallelism T = 2, 4, ... up to the GPUs of a node (gpt and llama, T dividing the
+// heads, kv heads and MLP width; the global batch kept: a data-parallel rank takes T ranks' samples; the plain head;
+// fp32 moments), and with memory.allow_lowbit_optimizer AdamW's 8- and 4-bit state; those whose device
 // peak fits the target less memory.budget_headroom, fastest first by the time model (step_time.h: each candidate's
 // predicted step time and tokens/s on `world` ranks, `nproc_per_node` to a node; 0 = all on one node), low-bit state
 // only where nothing with fp32 moments fits. A cpu: target times its matmuls here (about a second).
