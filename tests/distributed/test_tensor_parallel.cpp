@@ -324,7 +324,9 @@ TEST(TensorParallel, EachRankHoldsItsSliceAndTheEstimateFollowsT) {
       ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(memory: step 1 peak cpu [^(]*\(estimate [^,]*, ([-+][0-9.]+)%\))"))) << out;
       // One process at this shape is estimated 18.7% over its peak (the one-process closed form's own margin, not
       // tensor parallelism's); the split runs are checked.
-      if (T > 1) EXPECT_LT(std::abs(std::stod(m[1])), 10.0) << name << ": the estimate is " << m[1] << "% off the measured peak\n" << out;
+      if (T > 1) {
+        EXPECT_LT(std::abs(std::stod(m[1])), 10.0) << name << ": the estimate is " << m[1] << "% off the measured peak\n" << out;
+      }
     }
   }
 }
