@@ -210,12 +210,13 @@ int plan_target(const memtrain::Config& config, const std::string& target_spec, 
     std::cout << "lora.quantize_base = " << best.quantize_base << " (memory.allow_quantized_base = true): no setting with "
               << "the " << config.train.param_dtype << " base fits; the frozen block linears are stored in 4-bit "
               << "NormalFloat (QLoRA), which changes the numerics\n";
-  std::cout << "  #  setting                                                     device peak   host       step ms    tokens/s\n";
+  std::cout << "  #  setting                                                                        device peak   host       step ms"
+               "    tokens/s\n";
   const size_t shown = std::min<size_t>(plan.fitting.size(), 12);
   for (size_t i = 0; i < shown; ++i) {
     const auto& c = plan.fitting[i];
     std::ostringstream line;
-    line << std::fixed << std::setprecision(1) << "  " << std::setw(2) << i + 1 << " " << std::left << std::setw(60)
+    line << std::fixed << std::setprecision(1) << "  " << std::setw(2) << i + 1 << " " << std::left << std::setw(76)
          << c.describe() << std::right << std::setw(11) << memtrain::format_bytes(c.estimate.peak_device()) << "  "
          << std::setw(9) << memtrain::format_bytes(c.estimate.host.peak()) << std::setw(11) << c.step_ms
          << std::setprecision(0) << std::setw(12) << c.tokens_per_s << "\n";

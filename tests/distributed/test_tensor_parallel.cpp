@@ -296,8 +296,8 @@ int64_t resident_params(const fs::path& run, int rank) {
 }
 
 // A GPT of 4 blocks, 256 wide and 256 tokens, on 1, 2 and 4 ranks: each rank holds 1/T of the split matrices and the
-// whole of the rest (by arithmetic, to the byte), and on 2 and 4 ranks the run's own estimate of its peak is within 10%
-// of the peak it measures, with and without sequence parallelism.
+// whole of the rest (by arithmetic, to the byte), and the run's own estimate of its peak is within 10% of the peak it
+// measures, with and without sequence parallelism.
 TEST(TensorParallel, EachRankHoldsItsSliceAndTheEstimateFollowsT) {
   test::TempDir dir;
   const int64_t C = 256, L = 4, V = 256, ctx = 256;
@@ -321,12 +321,10 @@ TEST(TensorParallel, EachRankHoldsItsSliceAndTheEstimateFollowsT) {
       const int64_t per_rank = 4 * (L * ((12 * C * C + 7 * C) / T + 6 * C) + V / T * C + ctx * C + 2 * C);
       for (int r = 0; r < T; ++r) EXPECT_EQ(resident_params(fs::path(dir.path()) / name, r), per_rank) << name << " rank " << r;
       std::smatch m;
-      ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(memory: step 1 peak cpu [^(]*\(estimate [^,]*, ([-+][0-9.]+)%\))"))) << out;
-      // One process at this shape is estimated 18.7% over its peak (the one-process closed form's own margin, not
-      // tensor parallelism's); the split runs are checked.
-      if (T > 1) {
-        EXPECT_LT(std::abs(std::stod(m[1])), 10.0) << name << ": the estimate is " << m[1] << "% off the measured peak\n" << out;
-      }
+      // The run's peak (the second step's: the first has no optimizer state before its update) against the estimate.
+      ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(memory: peak cpu over the run [^(]*\(estimate [^,]*, ([-+][0-9.]+)%\))"))) << out;
+      // Measured: T = 1 +2.2%; T = 2 -0.1% (sequence parallel), +0.7% (not); T = 4 -2.2%, -0.8%.
+      EXPECT_LT(std::abs(std::stod(m[1])), 10.0) << name << ": the estimate is " << m[1] << "% off the measured peak\n" << out;
     }
   }
 }

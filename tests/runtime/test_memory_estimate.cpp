@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <torch/cuda.h>
 #include <fstream>
+#include <set>
 #include <numeric>
 
 #include "helpers.h"
@@ -694,6 +695,39 @@ TEST(TargetEstimate, LlamaEightAndSeventyBillionAreAnsweredInUnderASecondWithEve
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count(), 1.0);
   EXPECT_TRUE(e70.fits()) << e70.table();
   EXPECT_FALSE(plan.fitting.empty());
+}
+
+// plan --target tries tensor parallelism T = 2, 4, 8 up to the GPUs of a node, keeping the global batch (a data-
+// parallel rank takes T ranks' samples) with the plain head: Llama-3.1-70B on 8 nodes of 8 H100s, 8 samples per rank
+// (512 in all), fits best split 8 ways (its blocks' activations and parameters 1/8 per GPU; ZeRO over the other 8).
+TEST(TargetEstimate, PlanTriesTensorParallelismUpToANodeAndKeepsTheGlobalBatch) {
+  auto big = Config::load(test::source("examples/configs/llama3_8b_8xh100.ini"), {"--model.preset=llama-3.1-70b"});
+  const auto target = parse_target("h100-80gb");
+  const auto plan = plan_for_target(big, target, 64, 8);
+  ASSERT_FALSE(plan.fitting.empty());
+  std::set<int> degrees;
+  for (const auto& c : plan.fitting) {
+    degrees.insert(c.tensor_parallel);
+    EXPECT_EQ(c.micro_batch * c.accum_steps * (64 / c.tensor_parallel), 512) << c.describe();
+    if (c.tensor_parallel > 1) {
+      EXPECT_EQ(c.head, "plain") << c.describe();
+    }
+    // The plan's estimate is estimate --target's for the same settings.
+    auto v = big;
+    c.apply_to(v);
+    EXPECT_EQ(v.dist.tensor_parallel, c.tensor_parallel);
+    EXPECT_EQ(estimate_for_target(v, target, 64).device_peak(), c.estimate.peak_device()) << c.describe();
+  }
+  for (int T : degrees) EXPECT_TRUE(T == 1 || T == 2 || T == 4 || T == 8) << T;  // never past a node's 8 GPUs
+  EXPECT_GT(plan.fitting.front().tensor_parallel, 1) << plan.fitting.front().describe();
+  // A split's parameters by arithmetic: at T = 8 under ZeRO-1 a GPU holds 1/8 of every block linear and of the
+  // vocabulary's rows (bf16), the norms whole: within 0.1% of 1/8 of the model's 2 bytes per parameter.
+  auto t8 = big;
+  t8.dist.tensor_parallel = 8, t8.dist.zero_stage = 1, t8.memory.head = "plain";
+  const double whole = 2.0 * 70553706496;
+  EXPECT_NEAR(static_cast<double>(estimate_for_target(t8, target, 64).states.device.params), whole / 8, 1e-3 * whole / 8);
+  // One GPU: no tensor parallelism to try.
+  for (const auto& c : plan_for_target(big, target, 1).fitting) EXPECT_EQ(c.tensor_parallel, 1);
 }
 
 TEST(TargetEstimate, PlanListsSettingsThatFitBestFirstAndWritesAnIniThatRuns) {
