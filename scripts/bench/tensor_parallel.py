@@ -88,7 +88,7 @@ def main():
     lines = ["# Tensor parallelism: memtrain against PyTorch's on the CPU", "",
              f"Written by `scripts/bench/tensor_parallel.py` ({os.cpu_count()} CPUs, one intra-op thread per rank, Gloo). "
              "A Llama of 4 layers, 256 wide, 8 heads sharing 4 key/value heads, SwiGLU 768, vocabulary 8,192, context "
-             "128 (6.8 M parameters), micro-batch 8, fp32, AdamW, clipping at 1.0, random tokens. PyTorch: transformers' "
+             "128 (7.3 M parameters), micro-batch 8, fp32, AdamW, clipping at 1.0, random tokens. PyTorch: transformers' "
              "`LlamaForCausalLM` split by `parallelize_module` (q, k, v, gate, up ColwiseParallel; o, down "
              "RowwiseParallel; embedding RowwiseParallel; head ColwiseParallel with `loss_parallel()`), torch's AdamW "
              "(foreach) on its DTensors. memtrain: `dist.tensor_parallel`, the plain head with its vocabulary-parallel "
