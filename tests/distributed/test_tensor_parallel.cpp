@@ -13,6 +13,7 @@
 #include "helpers.h"
 #include "memtrain/core/safetensors.h"
 #include "memtrain/models/tensor_parallel.h"
+#include "memtrain/runtime/factories.h"
 
 namespace memtrain {
 namespace {
@@ -204,6 +205,21 @@ TEST(TensorParallel, LoraAndFrozenParametersTrainAsOneProcess) {
   EXPECT_TRUE(torch::equal(two.weights.at("model.embed_tokens.weight"), one.weights.at("model.embed_tokens.weight")));
 }
 
+// bf16: autocast (fp32 parameters) on 2 tensor-parallel ranks, and bf16 parameters with fp32 masters on a 2 x 2 grid
+// with ZeRO-1, against one process at bf16's precision (as the data-parallel tests: SGD, whose error stays
+// proportional; bf16 products over other shapes round differently; the split adds its partial sums in bf16).
+TEST(TensorParallel, Bf16TrainsAsOneProcessToBf16sPrecision) {
+  test::TempDir dir;
+  const std::string autocast = kGpt + " --train.precision=bf16 --train.optimizer=sgd --train.lr=0.05";
+  expect_same_training(train(dir, "autocast", 1, 8, autocast),
+                       train(dir, "autocast_t2", 2, 8, autocast + " --dist.tensor_parallel=2"), "bf16 autocast, T = 2",
+                       2e-3, 2e-2);
+  const std::string params = kLlama + " --train.param_dtype=bf16 --train.precision=bf16 --train.optimizer=sgd --train.lr=0.05";
+  expect_same_training(train(dir, "params", 1, 8, params),
+                       train(dir, "params_2x2", 4, 4, params + " --dist.tensor_parallel=2 --dist.zero_stage=1"),
+                       "bf16 parameters, fp32 masters, 2 x 2, ZeRO-1", 5e-3, 5e-2);
+}
+
 // 2 x 2: tensor parallel within pairs of ranks, ZeRO across them (each data-parallel rank half the samples).
 TEST(TensorParallel, TwoByTwoGridsWithZeroTrainAsOneProcess) {
   test::TempDir dir;
@@ -374,7 +390,8 @@ constexpr int kChatRows = 3;
 // parallelize_module over two Gloo processes (q, k, v, gate, up ColwiseParallel; o, down RowwiseParallel; embedding
 // RowwiseParallel, 49 + 48 rows; head ColwiseParallel), 3 steps of SGD (lr 0.5, clipped at 1.0) on chat_ref.py's six
 // records, every record in every step. memtrain on 2 tensor-parallel ranks, with and without sequence parallelism,
-// one micro-batch holding every packed row: the same losses and pre-clip gradient norms (1e-5).
+// one micro-batch holding every packed row: the same losses and pre-clip gradient norms (1e-5); its export loads in
+// transformers with memtrain's logits.
 TEST(TensorParallel, LossesAndGradientNormsEqualPyTorchsParallelizeModule) {
   const auto ref = load_safetensors(test::fixture("tp/llama_gqa_ref.safetensors"));
   const auto want_losses = ref.at("losses"), want_norms = ref.at("grad_norms");
@@ -405,6 +422,25 @@ TEST(TensorParallel, LossesAndGradientNormsEqualPyTorchsParallelizeModule) {
       EXPECT_NEAR(norms[static_cast<size_t>(s)], n, 1e-5 * n) << "sequence parallel " << sp << ", grad norm, step " << s + 1;
     }
   }
+  // The split run's final checkpoint exported as a Hugging Face folder loads in transformers, whose logits are those of
+  // memtrain's model on the gathered weights the run wrote (1e-5).
+  const auto ckpt = dir.path("sp_on/checkpoints");
+  int code = -1;
+  auto out = test::shell(test::binary("memtrain") + " export --checkpoint " + ckpt + " --out " + dir.path("hf") + " 2>&1", &code);
+  ASSERT_EQ(code, 0) << out;
+  const auto c = Config::load("", {"--model.init_from=" + test::fixture("hf/llama_gqa"), "--model.block_size=16"});
+  auto model = make_model(c.model, DataInfo{.vocab_size = 97});
+  load_module_state(*model, load_safetensors(ckpt + "/model.safetensors"), "model.safetensors");
+  model->eval();
+  torch::NoGradGuard no_grad;
+  const auto input = torch::randint(0, 97, {2, 16}, torch::kLong);
+  save_safetensors(dir.path("logits.safetensors"), {{"input", input}, {"logits", model->forward(input)}});
+  out = test::shell(std::string(MEMTRAIN_PYTHON) + " " + test::source("scripts/reference/hf_check.py") + " logits " +
+                    dir.path("hf") + " " + dir.path("logits.safetensors") + " 2>&1");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(max_abs_diff ([-0-9.eE+]+) max_abs_ref ([-0-9.eE+]+))"))) << out;
+  EXPECT_LT(std::stod(m[1]), 1e-5 * std::stod(m[2])) << out;
+  EXPECT_GT(std::stod(m[2]), 0) << out;
 }
 
 }  // namespace
