@@ -257,6 +257,20 @@ def main():
         return "text, 2 ranks x 8 against 1 x 16" + (" (both ranks on cuda:0)" if cuda else "") + ": " + ", ".join(out)
     m.case("2 Gloo ranks" + (" with CUDA tensors on one GPU" if cuda else "") + " = one process", two_gloo_ranks)
 
+    def two_tensor_parallel_ranks():
+        # dist.tensor_parallel = 2: both ranks take the same 16 samples and split every block (and the vocabulary);
+        # with and without sequence parallelism, against one process on the same samples.
+        text = ["--data.dataset=text", "--model.vocab_size=0", "--memory.head=plain", "--train.micro_batch=16"]
+        one = ok(m.run("tp_one", text), "one process")
+        out = []
+        for sp in ("on", "off"):
+            r = ok(m.run(f"tp2_sp_{sp}", text + ["--dist.tensor_parallel=2", f"--dist.sequence_parallel={sp}",
+                                                 "--dist.backend=gloo"], ranks=2), f"T = 2, sequence parallel {sp}")
+            out.append(f"sequence parallel {sp} {close(losses(r), losses(one), 1e-4, f'T = 2 sequence parallel {sp}'):.1e}")
+        return "text, 2 tensor-parallel ranks" + (" (both on cuda:0)" if cuda else "") + ": " + ", ".join(out)
+    m.case("tensor parallel T = 2 over Gloo" + (" with CUDA tensors on one GPU" if cuda else "") + " = one process",
+           two_tensor_parallel_ranks)
+
     def oom_retry():
         # The limit is 70% of the measured peak at micro-batch 32: activations dominate, so half fits.
         big = ["--train.micro_batch=32", "--train.steps=3", "--memory.estimate=false"]

@@ -150,10 +150,10 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     picked = picked.contiguous();
     if (g) g->all_reduce_sum(picked);
     const auto per = (s.log() + m - picked).masked_fill(valid.logical_not(), 0.0);
-    const double count = sum ? 1.0 : std::max<double>(1.0, static_cast<double>(valid.sum().item<int64_t>()));
+    // The mean's count stays on the device (no host read per loss).
+    const auto count = sum ? torch::ones({}, l.options()) : valid.sum().clamp_min(1).to(torch::kFloat);
     e.div_(s.unsqueeze(1));                                   // the softmax of this slice
-    ctx->save_for_backward({e, local, inside, valid});
-    ctx->saved_data["scale"] = 1.0 / count;
+    ctx->save_for_backward({e, local, inside, valid, count});
     ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
     return per.sum() / count;
   }
@@ -163,8 +163,9 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     const auto& local = saved[1];
     const auto& inside = saved[2];
     const auto& valid = saved[3];
+    const auto& count = saved[4];
     if (grad.size(1) > 0) grad.scatter_add_(1, local.unsqueeze(1), -inside.to(grad.scalar_type()).unsqueeze(1));
-    grad.mul_((valid.to(grad.scalar_type()) * ctx->saved_data["scale"].toDouble()).unsqueeze(1) * grads[0]);
+    grad.mul_((valid.to(grad.scalar_type()) * (grads[0] / count)).unsqueeze(1));
     const auto dtype = static_cast<c10::ScalarType>(ctx->saved_data["dtype"].toInt());
     return {grad.to(dtype), {}, {}, {}, {}};
   }
