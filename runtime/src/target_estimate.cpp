@@ -196,27 +196,27 @@ TargetPlan plan_for_target(const Config& config, const Target& target, int world
       std::vector<int> stages = {0};
       if (data > 1) stages = {0, 1, 2, 3};
       for (auto mb : micro)
-      for (const auto& policy : policies)
-        for (const auto& head : heads)
-          for (int stage : stages)
-            for (bool offload : offloads) {
-              if (offload && stage == 0 && data > 1) continue;
-              if (T > 1 && head != "plain") continue;  // the vocabulary-parallel head already splits the logits
-              PlanCandidate c{.micro_batch = mb, .accum_steps = samples / mb, .recompute = policy, .head = head,
-                              .stage = offload && data == 1 ? 1 : stage, .offload = offload, .optimizer = optimizers[o],
-                              .lowbit_rank = static_cast<int>(level), .quantize_base = base, .tensor_parallel = T,
-                              .estimate = {}};
-              auto v = config;
-              c.apply_to(v);
-              const auto e = estimate_for_target(v, target, world);
-              ++plan.considered;
-              c.estimate = e.states;
-              // The device terms go in the estimate's peak as the planner reads it.
-              c.estimate.device.activations += e.device_peak() - e.states.peak_device();
-              const auto time = predict_step(step_settings(v, world, nproc_per_node > 0 ? nproc_per_node : world), speed);
-              c.step_ms = time.total_s * 1e3, c.tokens_per_s = time.tokens_per_s;
-              if (c.estimate.peak_device() <= usable) fitting.push_back(c);
-            }
+        for (const auto& policy : policies)
+          for (const auto& head : heads)
+            for (int stage : stages)
+              for (bool offload : offloads) {
+                if (offload && stage == 0 && data > 1) continue;
+                if (T > 1 && head != "plain") continue;  // the vocabulary-parallel head already splits the logits
+                PlanCandidate c{.micro_batch = mb, .accum_steps = samples / mb, .recompute = policy, .head = head,
+                                .stage = offload && data == 1 ? 1 : stage, .offload = offload, .optimizer = optimizers[o],
+                                .lowbit_rank = static_cast<int>(level), .quantize_base = base, .tensor_parallel = T,
+                                .estimate = {}};
+                auto v = config;
+                c.apply_to(v);
+                const auto e = estimate_for_target(v, target, world);
+                ++plan.considered;
+                c.estimate = e.states;
+                // The device terms go in the estimate's peak as the planner reads it.
+                c.estimate.device.activations += e.device_peak() - e.states.peak_device();
+                const auto time = predict_step(step_settings(v, world, nproc_per_node > 0 ? nproc_per_node : world), speed);
+                c.step_ms = time.total_s * 1e3, c.tokens_per_s = time.tokens_per_s;
+                if (c.estimate.peak_device() <= usable) fitting.push_back(c);
+              }
     }
     if (!fitting.empty()) break;  // fewer bits only where nothing with more fits
   }
