@@ -656,6 +656,29 @@ Config Config::load(const std::string& path, const std::vector<std::string>& raw
 }
 
 
+std::string Config::tensor_parallel_refusal() const {
+  const auto T = dist.tensor_parallel;
+  if (T <= 1) return "";
+  const auto with = detail::concat("[config] dist.tensor_parallel = ", T);
+  if (model.name != "gpt" && model.name != "llama") return with + " splits gpt and llama models; model.name is " + model.name;
+  if (!lora.init_from.empty())
+    return with + " with lora.init_from is not supported yet (the adapters are read whole, not by slice); start the "
+                  "adapters fresh, or resume a tensor-parallel checkpoint";
+  if (lora.quantize_base != "none")
+    return with + " with lora.quantize_base = " + lora.quantize_base + " is not supported yet (NF4 blocks of a slice "
+                  "are not those of the whole weight); use lora.quantize_base = none";
+  if (parse_budget_mib(memory.budget_mib) != 0)
+    return with + " with memory.budget_mib is not supported yet (the planner does not know T)";
+  if (memory.head != "plain")
+    return with + " with memory.head = " + memory.head + ": the vocabulary-parallel head already keeps 1/T of the "
+                  "logits and takes the cross-entropy over slices; use memory.head = plain";
+  if (train.optimizer == "adamw8bit" || train.optimizer == "adamw4bit")
+    return with + " with train.optimizer = " + train.optimizer + " is not supported yet (block-quantized state of a "
+                  "slice is not checkpointed); use adamw";
+  if (train.precision == "fp16") return with + " with train.precision = fp16 is not supported yet; use bf16 or fp32";
+  return "";
+}
+
 void Config::validate() const {
   // Each key's own rule, from its row of the table (entries()).
   for (const auto& e : entries(const_cast<Config&>(*this)))
@@ -697,27 +720,7 @@ void Config::validate() const {
   MEMTRAIN_CHECK(dist.offload_optimizer == "none" || train.precision != "fp16", ConfigError,
                  "[config] dist.offload_optimizer = cpu with train.precision = fp16 is not supported (the loss "
                  "scaler's inf check runs on the device); use bf16 or fp32");
-  if (dist.tensor_parallel > 1) {
-    const auto T = dist.tensor_parallel;
-    MEMTRAIN_CHECK(model.name == "gpt" || model.name == "llama", ConfigError, "[config] dist.tensor_parallel = ", T,
-                   " splits gpt and llama models; model.name is ", model.name);
-    MEMTRAIN_CHECK(lora.init_from.empty(), ConfigError, "[config] dist.tensor_parallel = ", T,
-                   " with lora.init_from is not supported yet (the adapters are read whole, not by slice); start the "
-                   "adapters fresh, or resume a tensor-parallel checkpoint");
-    MEMTRAIN_CHECK(lora.quantize_base == "none", ConfigError, "[config] dist.tensor_parallel = ", T,
-                   " with lora.quantize_base = ", lora.quantize_base, " is not supported yet (NF4 blocks of a slice are "
-                   "not those of the whole weight); use lora.quantize_base = none");
-    MEMTRAIN_CHECK(parse_budget_mib(memory.budget_mib) == 0, ConfigError, "[config] dist.tensor_parallel = ", T,
-                   " with memory.budget_mib is not supported yet (the planner does not know T)");
-    MEMTRAIN_CHECK(memory.head == "plain", ConfigError, "[config] dist.tensor_parallel = ", T, " with memory.head = ",
-                   memory.head, ": the vocabulary-parallel head already keeps 1/T of the logits and takes the "
-                   "cross-entropy over slices; use memory.head = plain");
-    MEMTRAIN_CHECK(train.optimizer != "adamw8bit" && train.optimizer != "adamw4bit", ConfigError,
-                   "[config] dist.tensor_parallel = ", T, " with train.optimizer = ", train.optimizer,
-                   " is not supported yet (block-quantized state of a slice is not checkpointed); use adamw");
-    MEMTRAIN_CHECK(train.precision != "fp16", ConfigError, "[config] dist.tensor_parallel = ", T,
-                   " with train.precision = fp16 is not supported yet; use bf16 or fp32");
-  }
+  if (const auto why = tensor_parallel_refusal(); !why.empty()) throw ConfigError(why);
   const auto& b = memory.budget_mib;
   const bool planning = parse_budget_mib(b) != 0;  // its own grammar's check, with the recompute budget's below
   MEMTRAIN_CHECK(!planning || memory.recompute.rfind("budget:", 0) != 0, ConfigError,

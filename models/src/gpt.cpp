@@ -186,10 +186,7 @@ torch::Tensor GPT::loss_sum(const torch::Tensor& output, const torch::Tensor& ta
   return vocab_parallel_cross_entropy(output.reshape({-1, output.size(-1)}), target.reshape({-1}), vocab_begin_, tp, true);
 }
 
-TensorSplit GPT::tensor_split(const std::string& name) const {
-  if (!tensor_parallel()) return {};
-  if (name.ends_with(".lora_A") || name.ends_with(".lora_B"))  // LoRA: as its linear map's weight says
-    return adapter_split(name, tensor_split(name.substr(0, name.size() - 7) + ".weight"));
+TensorSplit GPT::split_of(const std::string& name) const {
   const int64_t C = options_.n_embd;
   auto ends = [&](const char* suffix) { return name.ends_with(suffix); };
   if (name == "wte.weight") return {.dim = 0, .chunks = 1, .whole = options_.vocab_size};

@@ -294,10 +294,7 @@ torch::Tensor Llama::loss_sum(const torch::Tensor& output, const torch::Tensor& 
   return vocab_parallel_cross_entropy(output.reshape({-1, output.size(-1)}), target.reshape({-1}), vocab_begin_, tp, true);
 }
 
-TensorSplit Llama::tensor_split(const std::string& name) const {
-  if (!tensor_parallel()) return {};
-  if (name.ends_with(".lora_A") || name.ends_with(".lora_B"))  // LoRA: as its linear map's weight says
-    return adapter_split(name, tensor_split(name.substr(0, name.size() - 7) + ".weight"));
+TensorSplit Llama::split_of(const std::string& name) const {
   const auto& o = options_;
   const int64_t q = o.n_head * o.head_dim(), kv = o.n_kv_head * o.head_dim();
   auto ends = [&](const char* suffix) { return name.ends_with(suffix); };

@@ -54,6 +54,14 @@ torch::Tensor Model::loss_sum(const torch::Tensor& output, const torch::Tensor& 
       torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(-100));
 }
 
+TensorSplit Model::tensor_split(const std::string& name) const {
+  if (!tensor_parallel()) return {};
+  // LoRA's adapters (".lora_A" / ".lora_B", 7 characters): where the adapted map's weight sits decides theirs.
+  if (name.ends_with(".lora_A") || name.ends_with(".lora_B"))
+    return adapter_split(name, split_of(name.substr(0, name.size() - 7) + ".weight"));
+  return split_of(name);
+}
+
 TransformerShape split_shape(TransformerShape shape, const TensorParallel* tp) {
   return tp ? split_transformer(shape, tp->size(), tp->sequence_parallel) : shape;
 }

@@ -76,11 +76,10 @@ std::string closed_form_families() {
 
 double reduced_part_bytes_per_element(const TrainOptions& t, const DistConfig& d, int world, bool cuda) {
   const bool bf16 = t.param_dtype == "bf16";
-  const bool sharded = world > 1 || d.offload_optimizer == "cpu";  // every rank: tensor-parallel ones too
+  const auto dims = ParallelDims::of(d, world);  // sharded on any world above one; ZeRO over its dp ranks
   const bool held_across = t.accum_steps > 1 && reduces_each_micro_batch(static_cast<int>(d.zero_stage), d.reduce == "micro_batch" || bf16);
-  if (!sharded || d.zero_stage < 2 || held_across || (cuda && d.offload_optimizer == "cpu")) return 0;
-  const auto data_world = std::max<int64_t>(1, world / std::max<int64_t>(1, d.tensor_parallel));
-  return 4.0 / static_cast<double>(data_world);  // the stepped tensor's dtype: fp32 masters or fp32 parameters
+  if (!dims.sharded() || d.zero_stage < 2 || held_across || (cuda && d.offload_optimizer == "cpu")) return 0;
+  return 4.0 / static_cast<double>(dims.dp);  // the stepped tensor's dtype: fp32 masters or fp32 parameters
 }
 
 int64_t config_vocab(const Config& config) {
@@ -178,8 +177,9 @@ EstimateInputs estimate_settings(const TrainOptions& t, const DistConfig& d, int
     for (auto n : trained)
       if (quantizes(*low, n)) in.quantized_elements += n;
   }
-  in.world = static_cast<int>(std::max<int64_t>(1, world / std::max<int64_t>(1, d.tensor_parallel)));  // ZeRO's ranks
-  in.tensor_parallel = d.tensor_parallel > 1;
+  const auto dims = ParallelDims::of(d, world);
+  in.world = dims.dp;  // ZeRO's ranks
+  in.tensor_parallel = dims.tp > 1;
   in.stage = static_cast<int>(d.zero_stage);
   in.offload = d.offload_optimizer == "cpu";
   in.bucket_mib = d.bucket_mib;

@@ -95,9 +95,7 @@ TargetEstimate estimate_for_target(const Config& config, const Target& target, i
   out.target = target, out.world = world;
   // dist.tensor_parallel = T: each rank holds its slice (model_state_inputs, config_transformer_shape); ZeRO shards
   // over the world / T data-parallel ranks (estimate_settings); the optimizer is sharded on any world above one.
-  const auto T = static_cast<int>(config.dist.tensor_parallel);
-  MEMTRAIN_CHECK(world % T == 0, ConfigError, "[config] dist.tensor_parallel = ", T, " must divide the ", world,
-                 " ranks of the target (--nproc-per-node x --nnodes)");
+  ParallelDims::of(config.dist, world);  // T must divide the target's ranks
   auto in = model_state_inputs(config, world);
   in.cuda = target.cuda;
   const auto shape = config_transformer_shape(config);
@@ -157,12 +155,11 @@ TargetPlan plan_for_target(const Config& config, const Target& target, int world
   // rank's share is that / T, and a data-parallel rank of another T' takes T' shares.
   const int configured_T = static_cast<int>(std::max<int64_t>(1, config.dist.tensor_parallel));
   const int64_t configured = t.micro_batch * t.accum_steps;
-  // Tensor parallelism: T up to the GPUs of one node, dividing the world, the heads, the kv heads and the MLP width;
-  // gpt and llama models without the keys it refuses.
+  // Tensor parallelism: T up to the GPUs of one node, dividing the world, the heads, the kv heads and the MLP width
+  // (a candidate whose other settings it does not compose with is skipped below: Config::tensor_parallel_refusal).
   std::vector<int> degrees = {1};
   const int node = nproc_per_node > 0 ? std::min(nproc_per_node, world) : world;
-  if ((config.model.name == "gpt" || config.model.name == "llama") && config.lora.init_from.empty() &&
-      config.lora.quantize_base == "none" && t.precision != "fp16" && t.optimizer != "adamw8bit" && t.optimizer != "adamw4bit") {
+  if (has_closed_form(config.model)) {  // else estimate_for_target names the model it cannot estimate
     const auto whole = model_family(config.model.name).shape(config.model, config_vocab(config));
     for (int T = 2; T <= node; T *= 2)
       if (world % T == 0 && whole.heads % T == 0 && whole.kv_heads % T == 0 && whole.ffn % T == 0) degrees.push_back(T);
@@ -187,7 +184,6 @@ TargetPlan plan_for_target(const Config& config, const Target& target, int world
   for (size_t level = 0; level < levels.size(); ++level) {
     const auto& [base, o] = levels[level];
     for (int T : degrees) {
-      if (T > 1 && (!base.empty() || !optimizers[o].empty())) continue;  // NF4 and low-bit state: not split yet
       const int data = world / T;
       const int64_t samples = T == configured_T ? configured : configured / configured_T * T;  // per data-parallel rank
       std::vector<int64_t> micro;
@@ -201,13 +197,13 @@ TargetPlan plan_for_target(const Config& config, const Target& target, int world
             for (int stage : stages)
               for (bool offload : offloads) {
                 if (offload && stage == 0 && data > 1) continue;
-                if (T > 1 && head != "plain") continue;  // the vocabulary-parallel head already splits the logits
                 PlanCandidate c{.micro_batch = mb, .accum_steps = samples / mb, .recompute = policy, .head = head,
                                 .stage = offload && data == 1 ? 1 : stage, .offload = offload, .optimizer = optimizers[o],
                                 .lowbit_rank = static_cast<int>(level), .quantize_base = base, .tensor_parallel = T,
                                 .estimate = {}};
                 auto v = config;
                 c.apply_to(v);
+                if (!v.tensor_parallel_refusal().empty()) continue;  // e.g. the fused head, low-bit state, an NF4 base
                 const auto e = estimate_for_target(v, target, world);
                 ++plan.considered;
                 c.estimate = e.states;

@@ -220,6 +220,9 @@ struct Config {
   static Config load(const std::string& path, const std::vector<std::string>& overrides = {});
   // Checks values that the types alone cannot (enumerations, ranges). Called by load().
   void validate() const;
+  // dist.tensor_parallel > 1 with the rest of this config: "" where they compose, else what does not (the ConfigError
+  // validate() throws; plan --target skips such settings). "" with dist.tensor_parallel = 1.
+  std::string tensor_parallel_refusal() const;
   // The resolved configuration, as an INI file that load() reads back to the same values. Model keys of
   // other models (ResNet's depth in a GPT run) are left out. Numbers in their shortest exact form.
   std::string to_ini() const;

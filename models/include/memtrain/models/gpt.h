@@ -107,7 +107,6 @@ class GPT : public Model {
   torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) const override;
   torch::Tensor loss_sum(const torch::Tensor& output, const torch::Tensor& target) const override;
   const TensorParallel* tensor_parallel() const override { return options_.build.tp.get(); }
-  TensorSplit tensor_split(const std::string& name) const override;
   const GPTOptions& options() const { return options_; }
 
   // 6 N + 12 L C T per token (PaLM appendix B / nanoGPT's estimate_mfu), N = parameters without
@@ -120,6 +119,9 @@ class GPT : public Model {
   torch::nn::ModuleList h{nullptr};      // the blocks, named h.0 ... h.{L-1}
   std::vector<TransformerBlock> blocks;  // typed handles to the same modules
   torch::nn::LayerNorm ln_f{nullptr};
+
+ protected:
+  TensorSplit split_of(const std::string& name) const override;
 
  private:
   GPTOptions options_;

@@ -171,7 +171,6 @@ class Llama : public Model {
   torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) const override;
   torch::Tensor loss_sum(const torch::Tensor& output, const torch::Tensor& target) const override;
   const TensorParallel* tensor_parallel() const override { return options_.build.tp.get(); }
-  TensorSplit tensor_split(const std::string& name) const override;
   const LlamaOptions& options() const { return options_; }
 
   // 6 N + 12 L (n_head hd) T per token (PaLM appendix B), N = every parameter but the input embedding's
@@ -182,6 +181,9 @@ class Llama : public Model {
 
   LlamaBody model{nullptr};
   torch::nn::Linear lm_head{nullptr};  // (vocab, C); none when tied
+
+ protected:
+  TensorSplit split_of(const std::string& name) const override;
 
  private:
   // The tables for T positions on `device` in `dtype`, made once (fp32) and cast once per other dtype.

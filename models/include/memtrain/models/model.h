@@ -63,12 +63,17 @@ class Model : public torch::nn::Module {
   virtual torch::Tensor loss_sum(const torch::Tensor& output, const torch::Tensor& target) const;
 
   // Tensor parallelism (tensor_parallel.h): the group the model is split over (null: whole), and where parameter
-  // `name`'s slice sits in the whole parameter (replicated: {}).
+  // `name`'s slice sits in the whole parameter (replicated or whole: {}). LoRA's adapters sit as the weight of the map
+  // they adapt says (adapter_split); the family's own parameters as its split_of says.
   virtual const TensorParallel* tensor_parallel() const { return nullptr; }
-  virtual TensorSplit tensor_split(const std::string& name) const { return {}; }
+  TensorSplit tensor_split(const std::string& name) const;
 
   torch::Tensor forward(const torch::Tensor& input);
   int64_t num_parameters() const;  // distinct parameters (tied weights once)
+
+ protected:
+  // A split family's parameters (asked only when tensor_parallel() is set; adapters are resolved before).
+  virtual TensorSplit split_of(const std::string& name) const { return {}; }
 };
 
 // Packed sequences (data.dataset = chat): several records share a row, each attending only to its own earlier tokens,
