@@ -14,6 +14,22 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
+def build_llama(a):
+    """transformers' LlamaForCausalLM of the benchmark's shape (argparse fields), SDPA attention, untied head."""
+    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.n_embd, intermediate_size=a.ffn, num_hidden_layers=a.n_layer,
+                      num_attention_heads=a.n_head, num_key_value_heads=a.n_kv_head, max_position_embeddings=a.block_size,
+                      tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False)
+    return LlamaForCausalLM(cfg)
+
+
+def adamw(params, fused):
+    """memtrain's AdamW settings: weight decay 0.1 on matrices only, lr 1e-4, betas (0.9, 0.95)."""
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=1e-4, betas=(0.9, 0.95), fused=fused)
+
+
 def main():
     ap = argparse.ArgumentParser()
     for k, v in dict(n_layer=4, n_head=4, n_kv_head=2, n_embd=128, ffn=384, block_size=128, vocab=8192, micro_batch=16,
@@ -27,10 +43,7 @@ def main():
     if a.threads:
         torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.n_embd, intermediate_size=a.ffn, num_hidden_layers=a.n_layer,
-                      num_attention_heads=a.n_head, num_key_value_heads=a.n_kv_head, max_position_embeddings=a.block_size,
-                      tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False)
-    model = LlamaForCausalLM(cfg)
+    model = build_llama(a)
     model.train()
     if a.checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -43,10 +56,7 @@ def main():
     if a.qlora:
         base_bytes = quantize_base(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in trainable if p.dim() >= 2]
-    no_decay = [p for p in trainable if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-4, betas=(0.9, 0.95), fused=True)
+    opt = adamw(trainable, fused=True)
     g = torch.Generator().manual_seed(1)
     times = []
     for step in range(a.steps):

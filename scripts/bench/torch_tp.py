@@ -10,28 +10,24 @@ same on every rank of the group. Started by torchrun:
 With one process (no torchrun) the model is not split. Rank 0 prints one JSON line: median ms/step after the
 warm-up, its peak RSS, and the parameter bytes it holds (its slices).
 """
-import argparse, json, os, resource, statistics, time
+import argparse, json, os, resource, statistics, sys, time
 
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+
+from torch_llama import adamw, build_llama  # the same model and optimizer as the Llama benchmark's
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "reference"))
+from tp_ref import llama_plan  # the oracle's split (importing it hides GPUs: this benchmark runs on the CPU)
 
 
 def split(model, T):
+    """tp_ref.py's plan (the oracle's split), its head's logits left sharded for loss_parallel()."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    from torch.distributed.tensor import Replicate
-    mesh = init_device_mesh("cpu", (T,))
-    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
-    for i in range(len(model.model.layers)):
-        p = f"model.layers.{i}."
-        plan.update({p + "self_attn.q_proj": ColwiseParallel(), p + "self_attn.k_proj": ColwiseParallel(),
-                     p + "self_attn.v_proj": ColwiseParallel(), p + "self_attn.o_proj": RowwiseParallel(),
-                     p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
-                     p + "mlp.down_proj": RowwiseParallel()})
-    parallelize_module(model, mesh, plan)
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    head = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, init_device_mesh("cpu", (T,)), llama_plan(len(model.model.layers), head))
 
 
 def clip(params, max_norm):
@@ -63,20 +59,14 @@ def main():
     if T > 1:
         torch.distributed.init_process_group("gloo")
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.n_embd, intermediate_size=a.ffn, num_hidden_layers=a.n_layer,
-                      num_attention_heads=a.n_head, num_key_value_heads=a.n_kv_head, max_position_embeddings=a.block_size,
-                      tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False)
-    model = LlamaForCausalLM(cfg)
+    model = build_llama(a)
     model.train()
     if T > 1:
         split(model, T)
     params = list(model.parameters())
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t
     param_bytes = sum(local(p).numel() * p.element_size() for p in params)
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-4, betas=(0.9, 0.95))
+    opt = adamw(params, fused=None)  # PyTorch's default implementation: fused is not defaulted
     g = torch.Generator().manual_seed(1)
     times, losses = [], []
     for step in range(a.steps):

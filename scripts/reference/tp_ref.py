@@ -37,6 +37,22 @@ CLIP = 1.0
 WORLD = 2
 
 
+def llama_plan(layers, head):
+    """PyTorch's tensor-parallel plan for transformers' Llama, as torchtitan splits it without sequence parallelism: q,
+    k, v, gate and up ColwiseParallel, o and down RowwiseParallel, the token embedding RowwiseParallel (rows of the
+    vocabulary) and `head` for lm_head. Also scripts/bench/torch_tp.py's."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()), "lm_head": head}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        plan.update({p + "self_attn.q_proj": ColwiseParallel(), p + "self_attn.k_proj": ColwiseParallel(),
+                     p + "self_attn.v_proj": ColwiseParallel(), p + "self_attn.o_proj": RowwiseParallel(),
+                     p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
+                     p + "mlp.down_proj": RowwiseParallel()})
+    return plan
+
+
 def records(out):
     f = load_file(os.path.join(out, "chat", CASE, "train.safetensors"))
     tokens, trained, offsets = f["tokens"].long(), f["trained"], f["offsets"].tolist()
@@ -52,14 +68,8 @@ def train(out, split):
     if split:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-        plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()), "lm_head": ColwiseParallel(output_layouts=Replicate())}
-        for i in range(len(model.model.layers)):
-            p = f"model.layers.{i}."
-            plan.update({p + "self_attn.q_proj": ColwiseParallel(), p + "self_attn.k_proj": ColwiseParallel(),
-                         p + "self_attn.v_proj": ColwiseParallel(), p + "self_attn.o_proj": RowwiseParallel(),
-                         p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
-                         p + "mlp.down_proj": RowwiseParallel()})
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+        plan = llama_plan(len(model.model.layers), ColwiseParallel(output_layouts=Replicate()))
         parallelize_module(model, init_device_mesh("cpu", (WORLD,)), plan)
         rows = model.model.embed_tokens.weight.to_local().size(0)
         assert rows == (49 if dist.get_rank() == 0 else 48), rows  # the uneven split memtrain makes too
