@@ -672,9 +672,6 @@ std::string Config::tensor_parallel_refusal() const {
   if (memory.head != "plain")
     return with + " with memory.head = " + memory.head + ": the vocabulary-parallel head already keeps 1/T of the "
                   "logits and takes the cross-entropy over slices; use memory.head = plain";
-  if (train.optimizer == "adamw8bit" || train.optimizer == "adamw4bit")
-    return with + " with train.optimizer = " + train.optimizer + " is not supported yet (block-quantized state of a "
-                  "slice is not checkpointed); use adamw";
   if (train.precision == "fp16") return with + " with train.precision = fp16 is not supported yet; use bf16 or fp32";
   return "";
 }

@@ -158,7 +158,10 @@ DataParallel::BucketMembers DataParallel::assign_buckets(
       }
     }
     auto& b = *buckets_.back();
-    const int64_t align = options_.align > 1 && p.numel() >= options_.align_min_numel && p.numel() % options_.align == 0
+    const auto whole = options_.whole_numel.find(name);
+    const int64_t numel = whole == options_.whole_numel.end() ? p.numel() : whole->second;
+    const int64_t align = options_.align > 1 && numel >= options_.align_min_numel && numel % options_.align == 0 &&
+                                  p.numel() % options_.align == 0
                               ? options_.align
                               : 1;
     b.offsets.push_back((b.size + align - 1) / align * align);

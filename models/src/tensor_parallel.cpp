@@ -3,6 +3,7 @@
 #include <torch/autograd.h>
 
 #include <algorithm>
+#include <numeric>
 
 #include "memtrain/core/error.h"
 
@@ -53,6 +54,18 @@ void for_each_whole_run(const TensorSplit& s, c10::IntArrayRef local_sizes, int 
     fn(i, (outer * s.whole + whole_k) * inner + j, run);
     i += run;
   }
+}
+
+int64_t whole_run_granularity(const TensorSplit& s, c10::IntArrayRef local_sizes, int size) {
+  int64_t g = 0;
+  auto sizes = local_sizes.vec();
+  for (int r = 0; r < size; ++r) {
+    if (s.split()) sizes.at(static_cast<size_t>(s.dim)) = split_size(s, r, size);
+    for_each_whole_run(s, sizes, r, size, 0, c10::multiply_integers(sizes), [&](int64_t l, int64_t w, int64_t n) {
+      g = std::gcd(g, std::gcd(l, std::gcd(w, n)));
+    });
+  }
+  return g;
 }
 
 namespace {

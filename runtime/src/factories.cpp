@@ -113,6 +113,7 @@ EstimateInputs model_state_inputs(const Config& config, int world) {
   const int64_t vocab = config_vocab(config);
   // Each tensor's elements, a block's and the rest's (the root unit: embeddings, final norm, an untied head).
   auto shapes = model_family(c.name).tensors(c, vocab);
+  const auto whole = shapes;  // low-bit state: a slice is quantized as its whole parameter
   // dist.tensor_parallel = T: a rank holds 1/T of each block's linear weights and of the vocabulary's rows (the
   // embedding, an untied head); norms and biases are counted whole (the column-parallel biases are split: a few
   // elements over).
@@ -158,24 +159,27 @@ EstimateInputs model_state_inputs(const Config& config, int world) {
       for (auto n : *list) in.largest_elements = std::max(in.largest_elements, n);
     return in;
   }
-  auto trained = root;
-  for (int64_t l = 0; l < layers; ++l) trained.insert(trained.end(), block.begin(), block.end());
-  auto in = estimate_settings(config.train, config.dist, world, config.train.param_dtype == "bf16", trained);
+  auto trained = root, whole_trained = whole.root;
+  for (int64_t l = 0; l < layers; ++l) {
+    trained.insert(trained.end(), block.begin(), block.end());
+    whole_trained.insert(whole_trained.end(), whole.block.begin(), whole.block.end());
+  }
+  auto in = estimate_settings(config.train, config.dist, world, config.train.param_dtype == "bf16", trained, whole_trained);
   in.block_elements.assign(static_cast<size_t>(layers), block_all);
   in.root_elements = root_all;
   return in;
 }
 
 EstimateInputs estimate_settings(const TrainOptions& t, const DistConfig& d, int world, bool bf16,
-                                 const std::vector<int64_t>& trained) {
+                                 const std::vector<int64_t>& trained, const std::vector<int64_t>& whole) {
   EstimateInputs in;
   in.param_bytes = bf16 ? 2 : 4;
   in.master_weights = bf16;
   in.state_bytes = t.optimizer == "sgd" ? (t.momentum != 0 ? 4 : 0) : 8;
   if (const auto low = lowbit_options(optimizer_options(t))) {
     in.quantized_state_bytes = quantized_bytes_per_element(*low);
-    for (auto n : trained)
-      if (quantizes(*low, n)) in.quantized_elements += n;
+    for (size_t i = 0; i < trained.size(); ++i)
+      if (quantizes(*low, whole.empty() ? trained[i] : whole.at(i))) in.quantized_elements += trained[i];
   }
   const auto dims = ParallelDims::of(d, world);
   in.world = dims.dp;  // ZeRO's ranks

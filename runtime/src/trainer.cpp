@@ -894,13 +894,13 @@ torch::Tensor Trainer::whole_parameter(const std::string& name, const torch::Ten
 }
 
 torch::Tensor Trainer::local_slice(const std::string& name, const torch::Tensor& whole, c10::IntArrayRef local_sizes,
-                                   int64_t begin, int64_t end) const {
+                                   int64_t begin, int64_t end, int64_t k) const {
   const auto flat = whole.reshape({-1});
   const auto split = model_->tensor_split(name);
-  if (!tp_ || !split.split()) return flat.slice(0, begin, end);
-  auto out = torch::empty({end - begin}, flat.options());
+  if (!tp_ || !split.split()) return flat.slice(0, begin / k, end / k);
+  auto out = torch::empty({(end - begin) / k}, flat.options());
   for_each_whole_run(split, local_sizes, tp_->rank(), tp_->size(), begin, end, [&](int64_t l, int64_t w, int64_t n) {
-    out.slice(0, l - begin, l - begin + n).copy_(flat.slice(0, w, w + n));
+    out.slice(0, (l - begin) / k, (l - begin + n) / k).copy_(flat.slice(0, w / k, (w + n) / k));
   });
   return out;
 }

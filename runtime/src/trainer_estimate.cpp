@@ -408,10 +408,14 @@ void Trainer::correct_plan(int64_t measured_peak) {
 EstimateInputs Trainer::estimate_inputs(int world, const std::string& optimizer) const {
   auto train = config_.train;
   if (!optimizer.empty()) train.optimizer = optimizer;
-  std::vector<int64_t> trained;
-  for (const auto& p : params_) trained.push_back(p.numel());
-  // Tensor parallel: this rank's slices are params_; estimate_settings shards ZeRO over world / T data-parallel ranks.
-  auto in = estimate_settings(train, config_.dist, world, param_dtype_ != torch::kFloat, trained);
+  std::vector<int64_t> trained, whole;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    trained.push_back(params_[i].numel());
+    whole.push_back(c10::multiply_integers(whole_sizes(model_->tensor_split(param_names_[i]), params_[i].sizes())));
+  }
+  // Tensor parallel: this rank's slices are params_ (their state quantized as their whole parameters'); estimate_settings
+  // shards ZeRO over world / T data-parallel ranks.
+  auto in = estimate_settings(train, config_.dist, world, param_dtype_ != torch::kFloat, trained, whole);
   in.block_elements.assign(static_cast<size_t>(model_->num_blocks()), 0);
   for (size_t i = 0; i < params_.size(); ++i)
     (units_[i] < 0 ? in.root_elements : in.block_elements[static_cast<size_t>(units_[i])]) += params_[i].numel();

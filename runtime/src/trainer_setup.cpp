@@ -14,6 +14,7 @@
 #include "memtrain/runtime/device.h"
 #include "memtrain/models/lora.h"
 #include "memtrain/models/shapes.h"
+#include "memtrain/models/tensor_parallel.h"
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/run_report.h"
 #include "memtrain/runtime/trainer.h"
@@ -35,6 +36,33 @@ class GatherBlocks : public BlockHooks {
  private:
   DataParallel& dp_;
 };
+
+// Low-bit optimizer state (adamw8bit / adamw4bit) of a tensor-parallel slice is quantized in blocks cut from the
+// slice's start. Each must be a block of the whole parameter too, on every rank: T = 1 quantizes the same blocks, and a
+// checkpoint keeps the codes and absmaxes at their places in the whole. Refused otherwise, naming the parameter and
+// the block sizes that work. Every rank reasons over all ranks' slices: they refuse together.
+void check_lowbit_slices(const Config& config, const Model& model, const std::vector<std::string>& names,
+                         const std::vector<torch::Tensor>& params, const std::map<std::string, int64_t>& whole_numel, int T) {
+  const int64_t block = optimizer_block(config.train);
+  if (block == 0 || T <= 1) return;
+  const auto& t = config.train;
+  for (size_t i = 0; i < names.size(); ++i) {
+    const auto split = model.tensor_split(names[i]);
+    const int64_t whole = whole_numel.at(names[i]);
+    if (!split.split() || whole < t.optimizer_min_quantized || whole % block != 0) continue;  // fp32 moments
+    const int64_t runs = whole_run_granularity(split, params[i].sizes(), T);
+    if (runs % block == 0) continue;
+    int64_t fits = 0;  // the largest even block that divides every run
+    for (int64_t b = 2; b <= runs; b += 2)
+      if (runs % b == 0) fits = b;
+    throw ConfigError(detail::concat(
+        "[config] train.optimizer = ", t.optimizer, " with dist.tensor_parallel = ", T, ": ", names[i], " (", whole,
+        " elements) has quantized moments in blocks of ", block, " values (train.optimizer_block), but its slices are cut "
+        "in runs of ", runs, " values of the whole, so a slice's blocks would not be the whole parameter's; ",
+        fits ? detail::concat("set train.optimizer_block to an even divisor of ", runs, " (", fits, ") or ") : std::string("set "),
+        "train.optimizer_min_quantized above ", whole, " (its moments then stay fp32)"));
+  }
+}
 }  // namespace
 
 // log.trace_blocks: a span per block in the trace. Forward: from just before the block (its ZeRO-3 gather
@@ -337,16 +365,19 @@ void Trainer::setup_data_parallel() {
   if (options.stage == 3)  // what does not train is sharded too (gathered per unit, no gradient or state)
     for (size_t i = 0; i < frozen_.size(); ++i)
       options.frozen.emplace_back(frozen_names_[i], frozen_[i]), options.frozen_units.push_back(frozen_units_[i]);
+  std::map<std::string, int64_t> numel;  // low-bit state: a rank's part is quantized as its whole parameter
+  for (size_t i = 0; i < params_.size(); ++i)
+    numel[param_names_[i]] = c10::multiply_integers(whole_sizes(model_->tensor_split(param_names_[i]), params_[i].sizes()));
   if (tp_) {  // over this rank's data-parallel group; the norm over the tensor-parallel group too
     options.model_group = tp_group_;
     for (const auto& name : param_names_)
       if (!model_->tensor_split(name).split()) options.replicated.insert(name);
+    options.whole_numel = numel;
+    check_lowbit_slices(config_, *model_, param_names_, params_, numel, tp_->size());
   }
   dp_ = std::make_unique<DataParallel>(dp_group_ ? dp_group_ : group_, named, options);
   if (dims_.gathers_parameters()) block_hooks_ = std::make_unique<GatherBlocks>(*dp_);
   optimizer_ = make_optimizer(optimizer_options(config_.train), dp_->decay_tensors(), dp_->no_decay_tensors());
-  std::map<std::string, int64_t> numel;  // low-bit state: a rank's part is quantized as its whole parameter
-  for (size_t i = 0; i < params_.size(); ++i) numel[param_names_[i]] = params_[i].numel();
   for (const auto& seg : dp_->segments()) set_whole_numel(*optimizer_, seg.stepped, numel.at(seg.name));
   sync_buffers();  // an embedder's model may start with other statistics on each rank
 }

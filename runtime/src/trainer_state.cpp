@@ -44,19 +44,22 @@ std::vector<ShardPiece> Trainer::state_pieces() const {
   };
   // Elements [begin, end) of parameter `param`'s slice on this rank (`shape` the slice's), saved at their place in the
   // whole parameter: a checkpoint holds whole tensors whatever the grid, and resumes on any other. What is whole on
-  // every rank of a tensor-parallel group is saved by its first rank.
+  // every rank of a tensor-parallel group is saved by its first rank. A field of k elements per value (4-bit codes,
+  // absmaxes: `t` holds (end - begin) / k) is saved as a (whole numel / k,) tensor; its runs are whole blocks
+  // (check_lowbit_slices).
   const int tp_place = tp_rank(), T = tp_ ? tp_->size() : 1;
   auto add_slice = [&](const std::string& key, const std::string& param, const torch::Tensor& t, const std::vector<int64_t>& shape,
-                       int64_t begin, int64_t end) {
+                       int64_t begin, int64_t end, int64_t k = 1) {
     const auto split = model_->tensor_split(param);
+    const auto whole = whole_sizes(split, shape);
+    const auto saved_shape = k == 1 ? whole : std::vector<int64_t>{c10::multiply_integers(whole) / k};
     if (!tp_ || !split.split()) {
-      if (tp_place == 0) add(key, t, shape, begin, end);
+      if (tp_place == 0) add(key, t, saved_shape, begin / k, end / k);
       return;
     }
     const auto flat = t.detach().reshape({-1});
-    const auto whole = whole_sizes(split, shape);
     for_each_whole_run(split, shape, tp_place, T, begin, end, [&](int64_t l, int64_t w, int64_t n) {
-      add(key, flat.slice(0, l - begin, l - begin + n), whole, w, w + n);
+      add(key, flat.slice(0, (l - begin) / k, (l - begin + n) / k), saved_shape, w / k, (w + n) / k);
     });
   };
   // Optimizer state of one stepped tensor: elements [begin, end) of the parameter; the step count once,
@@ -64,7 +67,7 @@ std::vector<ShardPiece> Trainer::state_pieces() const {
   // A field of k elements per value (4-bit codes, absmaxes) saves values [begin / k, end / k) of a (numel / k,) tensor.
   auto add_state = [&](const std::string& name, const torch::Tensor& stepped, const std::vector<int64_t>& shape,
                        int64_t begin, int64_t end) {
-    const auto numel = c10::multiply_integers(shape);
+    const auto numel = c10::multiply_integers(whole_sizes(model_->tensor_split(name), shape));  // quantized as the whole
     std::map<std::string, int64_t> per_value;
     for (const auto& f : param_state_fields(*optimizer_, numel)) per_value[f.name] = f.per_value;
     for (const auto& [field, value] : get_param_state(*optimizer_, stepped)) {
@@ -73,11 +76,8 @@ std::vector<ShardPiece> Trainer::state_pieces() const {
                      "' its kind does not list");
       if (const int64_t k = it->second; k == 0) {
         if (begin == 0 && tp_place == 0) add("optim/" + name + "/" + field, value, {}, 0, 1);
-      } else if (k == 1) {
-        add_slice("optim/" + name + "/" + field, name, value, shape, begin, end);
       } else {
-        MEMTRAIN_CHECK(!tp_, Error, "[checkpoint] low-bit optimizer state of a tensor-parallel slice is not saved yet");
-        add("optim/" + name + "/" + field, value, {numel / k}, begin / k, end / k);
+        add_slice("optim/" + name + "/" + field, name, value, shape, begin, end, k);
       }
     }
   };
@@ -287,17 +287,15 @@ void Trainer::load_checkpoint(const std::string& path) {
   //    part of the fp32 masters and the optimizer state.
   torch::NoGradGuard no_grad;
   // Elements [begin, end) of this rank's slice of `name` (tensor parallel: taken from their places in the whole).
-  auto slice_of = [&](const std::string& name, const torch::Tensor& whole, int64_t begin, int64_t end) {
-    return local_slice(name, whole, params.at(name).sizes(), begin, end);
+  auto slice_of = [&](const std::string& name, const torch::Tensor& whole, int64_t begin, int64_t end, int64_t k = 1) {
+    return local_slice(name, whole, params.at(name).sizes(), begin, end, k);
   };
   auto state_of = [&](const std::string& name, int64_t begin, int64_t end) {
     std::map<std::string, torch::Tensor> state;
     const auto numel = c10::multiply_integers(whole_sizes(model_->tensor_split(name), params.at(name).sizes()));
     for (const auto& f : param_state_fields(*optimizer_, numel)) {
       const auto& t = T.at("optim/" + name + "/" + f.name);
-      state[f.name] = f.per_value == 0   ? t
-                      : f.per_value == 1 ? slice_of(name, t, begin, end)
-                                         : t.reshape({-1}).slice(0, begin / f.per_value, end / f.per_value);
+      state[f.name] = f.per_value == 0 ? t : slice_of(name, t, begin, end, f.per_value);
     }
     return state;
   };

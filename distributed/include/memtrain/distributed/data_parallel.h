@@ -84,6 +84,9 @@ struct DataParallelOptions {
   // never straddle two ranks; the other parameters keep fp32 state and need no alignment).
   int64_t align = 1;
   int64_t align_min_numel = 0;
+  // A parameter that is a slice of a larger one (tensor parallelism): the whole's elements, which decide its alignment
+  // as they decide whether its state is quantized (the slice itself must then be whole `align`-blocks).
+  std::map<std::string, int64_t> whole_numel = {};
   // What the parameters hold when DataParallel takes them: rank 0's values, broadcast to all (an embedder's model);
   // the same values on every rank (filled from the seed or a checkpoint: copied in, no broadcast); or nothing yet
   // (built from shapes, models/shapes.h: no copy, no broadcast; stage 3 allocates one bucket at a time and keeps

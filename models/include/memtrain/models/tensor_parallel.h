@@ -83,6 +83,11 @@ std::vector<int64_t> whole_sizes(const TensorSplit& s, c10::IntArrayRef local_si
 void for_each_whole_run(const TensorSplit& s, c10::IntArrayRef local_sizes, int rank, int size, int64_t begin, int64_t end,
                         const std::function<void(int64_t local, int64_t whole, int64_t length)>& fn);
 
+// The largest length g such that, on every rank of `size`, each run of for_each_whole_run over the whole slice starts
+// (in the slice and in the whole) and ends at multiples of g: blocks of any divisor of g cut from the start of a slice
+// are blocks of the whole parameter too (low-bit optimizer state keeps whole coordinates). `local_sizes` are any rank's.
+int64_t whole_run_granularity(const TensorSplit& s, c10::IntArrayRef local_sizes, int size);
+
 // The autograd functions (group == nullptr or size 1: identities).
 // Entry to a split region: forward identity (sequence parallel: all-gather the tokens, dim 1); backward all-reduce
 // (sequence parallel: reduce-scatter).

@@ -43,8 +43,10 @@ std::string closed_form_families();
 // What the config fixes in an estimate's inputs: bytes per element of the parameters (bf16 or fp32), masters and
 // optimizer state (low-bit: which of `trained`, the trained tensors' elements, are quantized), [dist] for `world`
 // ranks, and the batch. `world` counts every rank; with dist.tensor_parallel = T, ZeRO shards over world / T.
+// `whole`: each trained tensor's whole parameter's elements when `trained` holds tensor-parallel slices (a slice's
+// state is quantized as its whole parameter's); empty: `trained` itself.
 EstimateInputs estimate_settings(const TrainOptions& train, const DistConfig& dist, int world, bool bf16_parameters,
-                                 const std::vector<int64_t>& trained);
+                                 const std::vector<int64_t>& trained, const std::vector<int64_t>& whole = {});
 // The estimate's model states for gpt and llama without building the model or reading data (each tensor's
 // elements by arithmetic), for `world` ranks; no activations (its probe is empty). ConfigError for other
 // models and for [lora] / train.freeze (not counted here yet).

@@ -312,9 +312,10 @@ class Trainer {
   int dp_rank() const { return ParallelDims::of(config_.dist, world_.world_size).dp_rank(world_.rank); }
   // Parameter `name` whole from this rank's slice `local` (a collective over the tensor-parallel group; others: local).
   torch::Tensor whole_parameter(const std::string& name, const torch::Tensor& local);
-  // Elements [begin, end) of the slice of `name` (sizes `local_sizes`) this rank holds, from the whole tensor.
+  // Elements [begin, end) of the slice of `name` (sizes `local_sizes`) this rank holds, from the whole tensor. k > 1:
+  // a field of k elements per value (low-bit state's codes and absmaxes), whose values [begin / k, end / k) it gives.
   torch::Tensor local_slice(const std::string& name, const torch::Tensor& whole, c10::IntArrayRef local_sizes, int64_t begin,
-                            int64_t end) const;
+                            int64_t end, int64_t k = 1) const;
   std::unique_ptr<DataParallel> dp_;     // several ranks, or offload
   std::unique_ptr<BlockHooks> block_hooks_;  // ZeRO stage 3: gathers each block's parameters around it
   TraceBlocks* trace_blocks_ = nullptr;      // log.trace_blocks: block_hooks_ itself, around any gathers
