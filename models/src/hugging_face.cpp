@@ -283,23 +283,38 @@ std::string peft_name(const ModelConfig& model, const std::string& parameter) {
   return "base_model.model." + base + "." + which + ".weight";
 }
 
-void load_lora_adapter(Model& model, const ModelConfig& config, const std::string& dir) {
+std::map<std::string, torch::Tensor> load_lora_adapter(Model& model, const ModelConfig& config, const std::string& dir) {
   const auto path = (fs::path(dir) / "adapter_model.safetensors").string();
   std::error_code ec;
   MEMTRAIN_CHECK(fs::is_regular_file(path, ec), DataError, "[lora] ", dir,
                  ": no adapter_model.safetensors (peft's save_pretrained writes it beside adapter_config.json)");
   const auto stored = load_safetensors(path);
+  std::map<std::string, torch::Tensor> whole;  // by memtrain name
   std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;
   std::set<std::string> used;
+  const auto* tp = model.tensor_parallel();
   for (const auto& item : model.named_parameters()) {
     if (!is_lora_parameter(item.key())) continue;
     const auto name = peft_name(config, item.key());
     auto it = stored.find(name);
+    // A split model's adapter is a slice: the file holds the whole adapter, of the whole map's shape.
+    const auto split = tp ? model.tensor_split(item.key()) : TensorSplit{};
+    const auto expected = whole_sizes(split, item.value().sizes());
     MEMTRAIN_CHECK(it != stored.end(), DataError, "[lora] ", path, ": no tensor '", name, "' (memtrain's ", item.key(),
-                   ", shape ", item.value().sizes(), "): an adapter of other targets?");
-    MEMTRAIN_CHECK(it->second.sizes() == item.value().sizes(), DataError, "[lora] ", path, ": tensor '", name,
-                   "' has shape ", it->second.sizes(), "; the adapter expects ", item.value().sizes(), " (another rank or base?)");
-    copies.emplace_back(item.value(), it->second);
+                   ", shape ", c10::IntArrayRef(expected), "): an adapter of other targets?");
+    MEMTRAIN_CHECK(it->second.sizes() == c10::IntArrayRef(expected), DataError, "[lora] ", path, ": tensor '", name,
+                   "' has shape ", it->second.sizes(), "; the adapter expects ", c10::IntArrayRef(expected),
+                   " (another rank or base?)");
+    whole.emplace(item.key(), it->second);
+    auto value = it->second;
+    if (split.split()) {  // this rank's elements, from their places in the whole
+      const auto flat = it->second.reshape({-1});
+      value = torch::empty(item.value().sizes(), it->second.options());
+      const auto out = value.view({-1});
+      for_each_whole_run(split, item.value().sizes(), tp->rank(), tp->size(), 0, value.numel(),
+                         [&](int64_t l, int64_t w, int64_t n) { out.slice(0, l, l + n).copy_(flat.slice(0, w, w + n)); });
+    }
+    copies.emplace_back(item.value(), value);
     used.insert(name);
   }
   for (const auto& [name, t] : stored)
@@ -307,6 +322,7 @@ void load_lora_adapter(Model& model, const ModelConfig& config, const std::strin
                    "': this model has no adapter of that name (lora.targets differ?)");
   torch::NoGradGuard no_grad;
   for (auto& [p, t] : copies) p.copy_(t);
+  return whole;
 }
 
 std::vector<std::string> save_lora_adapter(const std::string& dir, const ModelConfig& model, const LoraConfig& lora,

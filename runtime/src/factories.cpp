@@ -44,7 +44,7 @@ TrainableSelection select_trainable(Model& model, const Config& c) {
   TrainableSelection out;
   if (c.lora.rank > 0) {
     out.adapted = add_lora(model, lora_options(c.lora));
-    if (!c.lora.init_from.empty()) load_lora_adapter(model, c.model, c.lora.init_from);
+    if (!c.lora.init_from.empty()) out.adapters = load_lora_adapter(model, c.model, c.lora.init_from);
     out.frozen = freeze_all_but_lora(model);
   } else if (!c.train.freeze.empty()) {
     out.frozen = freeze_matching(model, c.train.freeze);

@@ -198,10 +198,8 @@ void Trainer::setup_lora_and_freeze() {
                    "whole blocks of ", l.quantize_block, l.double_quant ? " values in groups of 256 blocks" : " values",
                    " (nothing to quantize)");
   }
-  if (from_shapes_ && !l.init_from.empty())  // lora.init_from's adapters: the fill copies them (it gives every value)
-    for (const auto& item : model_->named_parameters())
-      if (is_lora_parameter(item.key()))
-        lora_loaded_[item.key()] = item.value().detach().to(torch::kCPU, torch::kFloat, false, /*copy=*/true);
+  if (from_shapes_ && !l.init_from.empty())  // lora.init_from's adapters, whole: the fill copies them (it gives every value)
+    for (const auto& [name, t] : chosen.adapters) lora_loaded_[name] = t.to(torch::kCPU, torch::kFloat, false, /*copy=*/true);
   if (!world_.is_main()) return;
   if (l.rank > 0)
     std::cout << "lora:       rank " << l.rank << ", alpha " << format_shortest(l.alpha) << " on " << chosen.adapted.size()

@@ -89,8 +89,10 @@ std::vector<std::string> save_hugging_face(const std::string& dir, const ModelCo
 std::string peft_name(const ModelConfig& model, const std::string& parameter);
 
 // Fills every adapter of `model` (add_lora made them) from DIR/adapter_model.safetensors: each present with
-// its shape, no tensor left over; otherwise a DataError naming the tensor, and nothing is copied.
-void load_lora_adapter(Model& model, const ModelConfig& config, const std::string& dir);
+// its shape, no tensor left over; otherwise a DataError naming the tensor, and nothing is copied. A model split over a
+// tensor-parallel group takes its slice of each adapter (the file holds whole ones). Returns the whole adapters read,
+// by memtrain name.
+std::map<std::string, torch::Tensor> load_lora_adapter(Model& model, const ModelConfig& config, const std::string& dir);
 
 // Writes a peft adapter folder: adapter_config.json and adapter_model.safetensors (fp32), from the adapters
 // by memtrain name. `dir`.partial renamed; an existing `dir` is refused. Returns the files written.

@@ -71,6 +71,7 @@ std::string nf4_source(const Config& config);
 struct TrainableSelection {
   std::vector<std::string> adapted;
   int64_t frozen = 0;
+  std::map<std::string, torch::Tensor> adapters;  // lora.init_from's, whole (a split model holds slices of them)
 };
 TrainableSelection select_trainable(Model& model, const Config& config);
 // train.optimizer (choices::optimizer) and its hyper-parameters.
