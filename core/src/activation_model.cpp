@@ -12,9 +12,11 @@ int64_t fused_head_chunk_rows(int64_t vocab, bool cuda) {
   return cuda ? std::max<int64_t>(64, rows / 64 * 64) : std::max<int64_t>(1, rows);
 }
 
-double korthikanti_layer_bytes(int64_t s, int64_t b, int64_t h, int64_t a, bool selective) {
-  const double sbh = static_cast<double>(s) * static_cast<double>(b) * static_cast<double>(h);
-  return sbh * (34 + (selective ? 0 : 5 * static_cast<double>(a) * static_cast<double>(s) / static_cast<double>(h)));
+double korthikanti_layer_bytes(int64_t s, int64_t b, int64_t h, int64_t a, bool selective, int64_t T, bool sequence_parallel) {
+  const double sbh = static_cast<double>(s) * static_cast<double>(b) * static_cast<double>(h), t = static_cast<double>(T);
+  const double scores = selective ? 0 : 5 * static_cast<double>(a) * static_cast<double>(s) / static_cast<double>(h);
+  if (sequence_parallel) return sbh * (34 + scores) / t;
+  return sbh * (10 + 24 / t + scores / t);
 }
 
 namespace {

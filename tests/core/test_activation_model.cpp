@@ -74,6 +74,37 @@ TEST(ActivationModel, GptBlockIsKorthikantisCountWithoutDropoutMasksAndWithFp32L
             2 * (korthikanti - 2.0 * s * b * h) + 16.0 * s * b + 4.0 * a * s * b);
 }
 
+// Tensor parallelism: Korthikanti et al. 2022, section 4.2, per layer split over T ranks, 16-bit activations, flash
+// attention (selective: no 5 a s^2 b): s b h (10 + 24 / T) without sequence parallelism, s b h 34 / T with it. Of the
+// 34: 24 lie in the split regions (q, k 4; v 2; the attention output 2; GELU's input and output 16), 10 outside (both
+// LayerNorms' inputs 4, the inputs of c_attn and c_fc 4, the two dropout masks 2). memtrain's split GPT block under
+// bf16 autocast with fp32 parameters differs by:
+//   - no masks at dropout 0 (-2 outside the split regions);
+//   - the LayerNorms' inputs are the fp32 residual stream (+4 outside);
+//   - with sequence parallelism, c_attn's and c_fc's inputs are the all-gathered tokens, kept whole (4, not 4 / T: the
+//     paper keeps the 1 / T shard and gathers it again in backward);
+//   - LayerNorm's statistics (16 s b, 1 / T of the tokens with sequence parallelism) and the logsumexp of this rank's
+//     heads (4 a s b / T).
+TEST(ActivationModel, SplitGptBlockIsKorthikantisTensorParallelCountAdjusted) {
+  const auto g = gpt2_shape();
+  const int64_t s = 1024, b = 8, h = 768, a = 12;
+  const double sbh = static_cast<double>(s) * b * h, sb = static_cast<double>(s) * b;
+  const auto bf16 = settings(b, true, false, true);
+  for (const int64_t T : {2, 4}) {
+    SCOPED_TRACE("T = " + std::to_string(T));
+    const double t = static_cast<double>(T);
+    const double plain = korthikanti_layer_bytes(s, b, h, a, /*selective=*/true, T, false);
+    const double sequence = korthikanti_layer_bytes(s, b, h, a, true, T, true);
+    EXPECT_DOUBLE_EQ(plain, sbh * (10 + 24 / t));
+    EXPECT_DOUBLE_EQ(sequence, sbh * 34 / t);
+    EXPECT_DOUBLE_EQ(korthikanti_layer_bytes(s, b, h, a, false, T, false), sbh * (10 + 24 / t + 5.0 * a * s / (h * t)));
+    EXPECT_EQ(static_cast<double>(transformer_activations(split_transformer(g, T, false), bf16).block_saved),
+              plain - 2 * sbh + 4 * sbh + 16 * sb + 4 * a * sb / t);
+    EXPECT_EQ(static_cast<double>(transformer_activations(split_transformer(g, T, true), bf16).block_saved),
+              sequence - 2 * sbh / t + 4 * sbh / t + (4 * sbh - 4 * sbh / t) + 16 * sb / t + 4 * a * sb / t);
+  }
+}
+
 TEST(ActivationModel, LlamaBlockCountsEachSavedTensor) {
   // A GQA Llama block (h 4096, 32 heads, 8 key/value heads: k = 1024, SwiGLU F = 14336), per token, counted from
   // the forward's saved tensors: RMSNorm keeps its fp32 input, rsqrt and the normalised value; the projections

@@ -105,7 +105,11 @@ int64_t fused_head_chunk_rows(int64_t vocab, bool cuda);
 
 // Korthikanti et al. 2022, section 4.1: a transformer layer's stored activations with 16-bit tensors,
 // s b h (34 + 5 a s / h) bytes without recompute (10 s b h of them dropout's, masks and outputs), and
-// s b h 34 with selective recompute (the attention's s x s tensors recomputed).
-double korthikanti_layer_bytes(int64_t s, int64_t b, int64_t h, int64_t a, bool selective);
+// s b h 34 with selective recompute (the attention's s x s tensors recomputed). Split over T tensor-parallel ranks
+// (section 4.2.2, eq. 2): s b h (10 + 24 / T + 5 a s / (h T)), the 10 being what lies outside the split regions (the
+// layer norms' inputs, the linears' replicated inputs, the dropout masks); with sequence parallelism (section 4.2.3,
+// eq. 3) that too is split: s b h / T (34 + 5 a s / h).
+double korthikanti_layer_bytes(int64_t s, int64_t b, int64_t h, int64_t a, bool selective, int64_t T = 1,
+                               bool sequence_parallel = false);
 
 }  // namespace memtrain
