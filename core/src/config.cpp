@@ -664,8 +664,6 @@ std::string Config::tensor_parallel_refusal() const {
   if (lora.quantize_base != "none")
     return with + " with lora.quantize_base = " + lora.quantize_base + " is not supported yet (NF4 blocks of a slice "
                   "are not those of the whole weight); use lora.quantize_base = none";
-  if (parse_budget_mib(memory.budget_mib) != 0)
-    return with + " with memory.budget_mib is not supported yet (the planner does not know T)";
   if (memory.head != "plain")
     return with + " with memory.head = " + memory.head + ": the vocabulary-parallel head already keeps 1/T of the "
                   "logits and takes the cross-entropy over slices; use memory.head = plain";

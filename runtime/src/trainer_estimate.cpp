@@ -236,7 +236,7 @@ Trainer::PlanKnobs Trainer::plan_knobs() const {
   const auto parts = model_->part_names();
   if (std::find(parts.begin(), parts.end(), "attn") != parts.end()) policies.push_back("attn");
   std::vector<std::string> heads = {"plain"};
-  if (model_->has_linear_head()) heads.push_back("fused");
+  if (model_->has_linear_head() && !tp_) heads.push_back("fused");  // split: the vocabulary-parallel head already
   std::vector<int> stages = {static_cast<int>(config_.dist.zero_stage)};
   if (world_.world_size > 1) stages = {0, 1, 2, 3};
   // Offload is a knob where it frees the device (CUDA): the stepped part, its gradient and the optimizer
@@ -249,7 +249,11 @@ Trainer::PlanKnobs Trainer::plan_knobs() const {
   // Low-bit moments (memory.allow_lowbit_optimizer): ranked after every setting with the configured state.
   std::vector<std::string> optimizers = {""};
   if (m.allow_lowbit_optimizer && (t.optimizer == "adamw" || t.optimizer == "adamw_loop"))
-    optimizers = {"", "adamw8bit", "adamw4bit"};
+    for (const char* low : {"adamw8bit", "adamw4bit"}) {
+      auto v = t;
+      v.optimizer = low;
+      if (lowbit_slices_refusal(v).empty()) optimizers.push_back(low);  // split: only where slices keep whole blocks
+    }
   return PlanKnobs{.global = global,
                    .micro = std::move(micro),
                    .policies = std::move(policies),
@@ -296,10 +300,11 @@ void Trainer::add_plan_candidates(const PlanKnobs& knobs, const std::string& pol
           // its gradients per bucket: the kept-gradient probe over-estimates it the same way.)
           if (!sharded) in.probe_dropped = closed ? closed_form_probe(false, mb, candidate_policy, parse_head_rows(head), reduced) : pr;
           PlanCandidate c{.micro_batch = mb, .accum_steps = global / mb, .recompute = policy, .head = head, .stage = stage,
-                          .offload = offload, .optimizer = optimizers[o], .lowbit_rank = static_cast<int>(o),
-                          .estimate = estimate_memory(in)};
+                          .offload = offload, .optimizer = optimizers[o],
+                          .lowbit_rank = optimizers[o].empty() ? 0 : optimizers[o] == "adamw8bit" ? 1 : 2,
+                          .tensor_parallel = static_cast<int>(config_.dist.tensor_parallel), .estimate = estimate_memory(in)};
           const int64_t part = (in.root_elements + std::accumulate(in.block_elements.begin(), in.block_elements.end(),
-                                                                   int64_t{0})) / world_.world_size;
+                                                                   int64_t{0})) / ParallelDims::of(config_.dist, world_.world_size).dp;
           if (plan_timing_ == "probe") {
             c.step_ms = static_cast<double>(global / mb) * pr.ms_at(mb) +
                         (offload && !configured_offload ? offload_step_ms(part, in.param_bytes, in.param_bytes, cpu_update_ns)

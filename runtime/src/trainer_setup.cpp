@@ -37,32 +37,6 @@ class GatherBlocks : public BlockHooks {
   DataParallel& dp_;
 };
 
-// Low-bit optimizer state (adamw8bit / adamw4bit) of a tensor-parallel slice is quantized in blocks cut from the
-// slice's start. Each must be a block of the whole parameter too, on every rank: T = 1 quantizes the same blocks, and a
-// checkpoint keeps the codes and absmaxes at their places in the whole. Refused otherwise, naming the parameter and
-// the block sizes that work. Every rank reasons over all ranks' slices: they refuse together.
-void check_lowbit_slices(const Config& config, const Model& model, const std::vector<std::string>& names,
-                         const std::vector<torch::Tensor>& params, const std::map<std::string, int64_t>& whole_numel, int T) {
-  const int64_t block = optimizer_block(config.train);
-  if (block == 0 || T <= 1) return;
-  const auto& t = config.train;
-  for (size_t i = 0; i < names.size(); ++i) {
-    const auto split = model.tensor_split(names[i]);
-    const int64_t whole = whole_numel.at(names[i]);
-    if (!split.split() || whole < t.optimizer_min_quantized || whole % block != 0) continue;  // fp32 moments
-    const int64_t runs = whole_run_granularity(split, params[i].sizes(), T);
-    if (runs % block == 0) continue;
-    int64_t fits = 0;  // the largest even block that divides every run
-    for (int64_t b = 2; b <= runs; b += 2)
-      if (runs % b == 0) fits = b;
-    throw ConfigError(detail::concat(
-        "[config] train.optimizer = ", t.optimizer, " with dist.tensor_parallel = ", T, ": ", names[i], " (", whole,
-        " elements) has quantized moments in blocks of ", block, " values (train.optimizer_block), but its slices are cut "
-        "in runs of ", runs, " values of the whole, so a slice's blocks would not be the whole parameter's; ",
-        fits ? detail::concat("set train.optimizer_block to an even divisor of ", runs, " (", fits, ") or ") : std::string("set "),
-        "train.optimizer_min_quantized above ", whole, " (its moments then stay fp32)"));
-  }
-}
 }  // namespace
 
 // log.trace_blocks: a span per block in the trace. Forward: from just before the block (its ZeRO-3 gather
@@ -347,6 +321,34 @@ void Trainer::setup_recompute_and_head() {
                  "[config] memory.head = fused needs a model whose head is one linear map (gpt); this model's is not");
 }
 
+// Low-bit optimizer state (adamw8bit / adamw4bit) of a tensor-parallel slice is quantized in blocks cut from the
+// slice's start. Each must be a block of the whole parameter too, on every rank: T = 1 quantizes the same blocks, and a
+// checkpoint keeps the codes and absmaxes at their places in the whole. Otherwise the refusal names the parameter and
+// the block sizes that work. Every rank reasons over all ranks' slices: they refuse together.
+std::string Trainer::lowbit_slices_refusal(const TrainOptions& t) const {
+  const int64_t block = optimizer_block(t);
+  const int T = tp_ ? tp_->size() : 1;
+  if (block == 0 || T <= 1) return "";
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& name = param_names_[i];
+    const auto split = model_->tensor_split(name);
+    const int64_t whole = c10::multiply_integers(whole_sizes(split, params_[i].sizes()));
+    if (!split.split() || whole < t.optimizer_min_quantized || whole % block != 0) continue;  // fp32 moments
+    const int64_t runs = whole_run_granularity(split, params_[i].sizes(), T);
+    if (runs % block == 0) continue;
+    int64_t fits = 0;  // the largest even block that divides every run
+    for (int64_t b = 2; b <= runs; b += 2)
+      if (runs % b == 0) fits = b;
+    return detail::concat(
+        "[config] train.optimizer = ", t.optimizer, " with dist.tensor_parallel = ", T, ": ", name, " (", whole,
+        " elements) has quantized moments in blocks of ", block, " values (train.optimizer_block), but its slices are cut "
+        "in runs of ", runs, " values of the whole, so a slice's blocks would not be the whole parameter's; ",
+        fits ? detail::concat("set train.optimizer_block to an even divisor of ", runs, " (", fits, ") or ") : std::string("set "),
+        "train.optimizer_min_quantized above ", whole, " (its moments then stay fp32)");
+  }
+  return "";
+}
+
 void Trainer::setup_data_parallel() {
   // Flat buckets over the group (one process with offload: a group of one, made here); the optimizer steps the
   // buckets' parts this rank owns.
@@ -371,7 +373,7 @@ void Trainer::setup_data_parallel() {
     for (const auto& name : param_names_)
       if (!model_->tensor_split(name).split()) options.replicated.insert(name);
     options.whole_numel = numel;
-    check_lowbit_slices(config_, *model_, param_names_, params_, numel, tp_->size());
+    if (const auto why = lowbit_slices_refusal(config_.train); !why.empty()) throw ConfigError(why);
   }
   dp_ = std::make_unique<DataParallel>(dp_group_ ? dp_group_ : group_, named, options);
   if (dims_.gathers_parameters()) block_hooks_ = std::make_unique<GatherBlocks>(*dp_);

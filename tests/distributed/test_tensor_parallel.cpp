@@ -338,6 +338,48 @@ TEST(TensorParallel, LowBitStateTrainsAsOneProcessAndResumesOnAnotherGrid) {
   EXPECT_NE(refused.output.find("an even divisor of 8 (8)"), std::string::npos) << refused.output;
 }
 
+// The largest "peak_allocated" of a rank's memory.rank<r>.jsonl (every step's).
+int64_t largest_peak(const fs::path& run, int rank) {
+  std::ifstream in(run / ("memory.rank" + std::to_string(rank) + ".jsonl"));
+  int64_t peak = -1;
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line, nullptr, false);
+    if (!j.is_discarded() && j.contains("peak_allocated")) peak = std::max(peak, j["peak_allocated"].get<int64_t>());
+  }
+  return peak;
+}
+
+// memory.budget_mib on a split model: rank 0 plans over this rank's slices (the split shapes' closed form, ZeRO over the
+// data-parallel ranks, the plain vocabulary-parallel head only) and every rank takes its choice. Budgets of 70% and 45%
+// of the unplanned run's activations above its model states and data: every rank's measured peak stays within the
+// budget, the global batch is kept, and the run trains as the unplanned one (another micro-batch split: 1e-5).
+TEST(TensorParallel, BudgetPlansTheSplitModelAndEveryRankFits) {
+  test::TempDir dir;
+  const std::string wide = kGpt + " --model.block_size=128 --model.n_layer=4 --model.n_embd=64 --dist.tensor_parallel=2";
+  const auto plain = train(dir, "plain", 2, 8, wide);
+  ASSERT_EQ(plain.code, 0) << plain.output;
+  const int64_t plain_peak = std::max(largest_peak(plain.dir, 0), largest_peak(plain.dir, 1));
+  const int64_t at_start = [&] {  // the model states and the data, before any activation
+    std::ifstream in(plain.dir / "memory.rank0.jsonl");
+    std::string line;
+    std::getline(in, line);
+    return nlohmann::json::parse(line)["start_allocated"].get<int64_t>();
+  }();
+  for (const double share : {0.7, 0.45}) {
+    SCOPED_TRACE("budget: " + std::to_string(share) + " of the activations");
+    const int64_t budget = at_start + static_cast<int64_t>(share * static_cast<double>(plain_peak - at_start));
+    const auto name = "planned" + std::to_string(static_cast<int>(share * 100));
+    const auto planned = train(dir, name, 2, 8, wide + " --memory.budget_mib=" + std::to_string(budget / 1048576.0));
+    ASSERT_EQ(planned.code, 0) << planned.output;
+    EXPECT_NE(planned.output.find("plan for a budget"), std::string::npos) << planned.output;
+    EXPECT_EQ(planned.output.find("head fused"), std::string::npos) << "the split model's head is the plain one";
+    for (int r = 0; r < 2; ++r) EXPECT_LE(largest_peak(planned.dir, r), budget) << "rank " << r << "\n" << planned.output;
+    ASSERT_EQ(planned.losses.size(), plain.losses.size()) << planned.output;
+    for (size_t i = 0; i < plain.losses.size(); ++i)
+      EXPECT_NEAR(planned.losses[i], plain.losses[i], 1e-5 * plain.losses[i]) << "step " << i + 1;
+  }
+}
+
 // What cannot be split is refused before anything runs, naming the keys.
 TEST(TensorParallel, RefusesWhatItCannotSplit) {
   test::TempDir dir;

@@ -308,6 +308,8 @@ class Trainer {
   std::shared_ptr<ProcessGroup> tp_group_, dp_group_;
   std::shared_ptr<TensorParallel> tp_;
   void setup_tensor_parallel();
+  // Why low-bit state (train `t`'s optimizer) cannot keep whole blocks on this split model's slices; "" when it can.
+  std::string lowbit_slices_refusal(const TrainOptions& t) const;
   int tp_rank() const { return tp_ ? tp_->rank() : 0; }
   int dp_rank() const { return ParallelDims::of(config_.dist, world_.world_size).dp_rank(world_.rank); }
   // Parameter `name` whole from this rank's slice `local` (a collective over the tensor-parallel group; others: local).
