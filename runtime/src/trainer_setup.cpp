@@ -36,7 +36,6 @@ class GatherBlocks : public BlockHooks {
  private:
   DataParallel& dp_;
 };
-
 }  // namespace
 
 // log.trace_blocks: a span per block in the trace. Forward: from just before the block (its ZeRO-3 gather

@@ -46,7 +46,7 @@ std::vector<ShardPiece> Trainer::state_pieces() const {
   // whole parameter: a checkpoint holds whole tensors whatever the grid, and resumes on any other. What is whole on
   // every rank of a tensor-parallel group is saved by its first rank. A field of k elements per value (4-bit codes,
   // absmaxes: `t` holds (end - begin) / k) is saved as a (whole numel / k,) tensor; its runs are whole blocks
-  // (check_lowbit_slices).
+  // (Trainer::lowbit_slices_refusal).
   const int tp_place = tp_rank(), T = tp_ ? tp_->size() : 1;
   auto add_slice = [&](const std::string& key, const std::string& param, const torch::Tensor& t, const std::vector<int64_t>& shape,
                        int64_t begin, int64_t end, int64_t k = 1) {
