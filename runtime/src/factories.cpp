@@ -135,10 +135,13 @@ EstimateInputs model_state_inputs(const Config& config, int world) {
     const int64_t adapters = lora.block_elements(shape);
     MEMTRAIN_CHECK(adapters > 0, ConfigError, "[config] lora.targets = '", config.lora.targets, "' names no linear map of ",
                    c.name, "'s blocks");
-    std::vector<int64_t> trained;
-    const auto tensors = lora.block_tensors(shape);
-    for (int64_t l = 0; l < layers; ++l) trained.insert(trained.end(), tensors.begin(), tensors.end());
-    auto in = estimate_settings(config.train, config.dist, world, config.train.param_dtype == "bf16", trained);
+    std::vector<int64_t> trained, whole_trained;  // (a split adapter's state is quantized as its whole adapter's)
+    const auto tensors = lora.block_tensors(shape), whole_tensors = lora.block_tensors(model_family(c.name).shape(c, vocab));
+    for (int64_t l = 0; l < layers; ++l) {
+      trained.insert(trained.end(), tensors.begin(), tensors.end());
+      whole_trained.insert(whole_trained.end(), whole_tensors.begin(), whole_tensors.end());
+    }
+    auto in = estimate_settings(config.train, config.dist, world, config.train.param_dtype == "bf16", trained, whole_trained);
     in.block_elements.assign(static_cast<size_t>(layers), adapters);
     // lora.quantize_base = nf4: each block linear of whole NF4 groups counts its packed bytes (in parameter-sized
     // elements, as the frozen parameters are counted).

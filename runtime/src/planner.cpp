@@ -159,7 +159,7 @@ std::string Plan::explain() const {
   if (timing == "model") o << "  time model: " << speed_source << " (docs/ESTIMATE.md, \"Step time\")\n";
   if (!chosen.optimizer.empty())
     o << "  train.optimizer = " << chosen.optimizer << " (memory.allow_lowbit_optimizer = true): no setting with "
-      << (chosen.lowbit_rank == 1 ? "fp32" : "fp32 or 8-bit") << " moments fits; the moments are stored blockwise-"
+      << (chosen.lowbit_rank == 1 ? "fp32" : "fp32 or (where its blocks fit) 8-bit") << " moments fits; the moments are stored blockwise-"
       << "quantized, which changes the numerics\n";
   return o.str();
 }

@@ -14,6 +14,17 @@ namespace memtrain {
 
 namespace {
 
+// Low-bit state on a split model keeps whole blocks when its blocks divide every run of the row-parallel weights' slices
+// (h / T and F / T columns; the column and vocabulary splits run in multiples of h): Trainer::lowbit_slices_refusal's
+// rule for the closed form's weights.
+bool lowbit_blocks_fit_slices(const Config& v) {
+  const int64_t T = v.dist.tensor_parallel, block = optimizer_block(v.train);
+  if (T <= 1 || block == 0) return true;
+  const auto whole = model_family(v.model.name).shape(v.model, config_vocab(v));
+  return std::gcd(whole.hidden / T, whole.ffn / T) % block == 0;
+}
+
+
 constexpr int64_t kMiB = int64_t{1} << 20;
 
 // What a GPU holds besides the caching allocator's tensors at the step's peak (docs/ESTIMATE.md, "CUDA terms").
@@ -203,7 +214,8 @@ TargetPlan plan_for_target(const Config& config, const Target& target, int world
                                 .estimate = {}};
                 auto v = config;
                 c.apply_to(v);
-                if (!v.tensor_parallel_refusal().empty()) continue;  // e.g. the fused head, low-bit state, an NF4 base
+                if (!v.tensor_parallel_refusal().empty()) continue;  // e.g. the fused head, an NF4 base
+                if (!lowbit_blocks_fit_slices(v)) continue;
                 const auto e = estimate_for_target(v, target, world);
                 ++plan.considered;
                 c.estimate = e.states;
