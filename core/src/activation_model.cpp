@@ -233,7 +233,15 @@ ActivationEstimate transformer_activations(const TransformerShape& m, const Acti
   const ActivationTerm batch{"batch and positions", base};
   const ActivationTerm blocks{"blocks' saved tensors", all_kept};
 
-  if (s.head_rows < 0) {
+  if (s.head_rows < 0 && m.split > 1) {
+    // The vocabulary-parallel cross-entropy's forward (this rank's V / T columns): the logits, their fp32 copy (16-bit
+    // logits) and the exponentials, which become the softmax kept for backward, where the gradient is formed in place.
+    candidate("the vocabulary-parallel cross-entropy's forward",
+              {batch, blocks, {"head input and final norm", features},
+               {"logits slice: its fp32 exponentials (and fp32 copy)", (e == 2 ? 10 : 8) * V * t},
+               {"autocast's head weight copy", w * V * h}},
+              all_tensors + 6);
+  } else if (s.head_rows < 0) {
     // The backward's start: log-softmax's fp32 result, the loss gradient's dense fp32 (tokens x vocab) and the
     // log-softmax backward's output; autocast's copy of the head weight.
     candidate("the backward's start (the loss over the logits)",

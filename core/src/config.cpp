@@ -264,7 +264,7 @@ std::vector<Entry> entries(Config& c) {
       entry("train.grad_clip", &t.grad_clip, "max global gradient norm; 0 = off", at_least<double>(0, ">= 0 (0 = off)")),
       entry("train.micro_batch", &t.micro_batch, "samples per micro-batch per rank", at_least<int64_t>(1)),
       entry("train.accum_steps", &t.accum_steps, "micro-batches per optimizer step", at_least<int64_t>(1)),
-      entry("train.precision", &t.precision, choices::join(choices::precision) + " (fp16: CUDA only)", one_of(choices::precision)),
+      entry("train.precision", &t.precision, choices::join(choices::precision) + " (fp16: with dynamic loss scaling, on CUDA or a CPU)", one_of(choices::precision)),
       entry("train.param_dtype", &t.param_dtype, choices::join(choices::param_dtype) + " (bf16: bf16 parameters, fp32 master weights in the optimizer)", one_of(choices::param_dtype)),
       entry("train.loss_scale_init", &t.loss_scale_init, "fp16: initial loss scale", where<double>([](double v) { return v > 0; }, "> 0")),
       entry("train.loss_scale_growth", &t.loss_scale_growth, "fp16: scale multiplier after loss_scale_interval finite steps", where<double>([](double v) { return v > 1; }, "> 1")),
@@ -664,10 +664,6 @@ std::string Config::tensor_parallel_refusal() const {
   if (lora.quantize_base != "none")
     return with + " with lora.quantize_base = " + lora.quantize_base + " is not supported yet (NF4 blocks of a slice "
                   "are not those of the whole weight); use lora.quantize_base = none";
-  if (memory.head != "plain")
-    return with + " with memory.head = " + memory.head + ": the vocabulary-parallel head already keeps 1/T of the "
-                  "logits and takes the cross-entropy over slices; use memory.head = plain";
-  if (train.precision == "fp16") return with + " with train.precision = fp16 is not supported yet; use bf16 or fp32";
   return "";
 }
 

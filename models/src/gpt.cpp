@@ -167,11 +167,14 @@ torch::Tensor GPT::block_part(int64_t i, size_t part, const torch::Tensor& h) {
 
 std::vector<torch::Tensor> GPT::block_parameters(int64_t i) const { return blocks[i]->parameters(); }
 
+std::optional<std::pair<torch::Tensor, torch::Tensor>> GPT::head_features(const torch::Tensor& h) {
+  return std::make_pair(layer_norm(*ln_f, h, tensor_parallel()), wte->weight);  // the tied output head
+}
+
 torch::Tensor GPT::head(const torch::Tensor& h) {
-  const auto* tp = tensor_parallel();
-  if (!tp) return detail::linear(ln_f->forward(h), wte->weight);  // tied output head
+  auto [features, weight] = *head_features(h);
   // Split T: logits of this rank's vocabulary rows, (B, T, V_r), for vocab_parallel_cross_entropy.
-  return detail::linear(tensor_parallel_enter(layer_norm(*ln_f, h, tp), tp), wte->weight);
+  return detail::linear(tensor_parallel_enter(features, tensor_parallel()), weight);
 }
 
 torch::Tensor GPT::loss(const torch::Tensor& output, const torch::Tensor& target) const {

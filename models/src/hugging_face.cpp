@@ -307,13 +307,9 @@ std::map<std::string, torch::Tensor> load_lora_adapter(Model& model, const Model
                    " (another rank or base?)");
     whole.emplace(item.key(), it->second);
     auto value = it->second;
-    if (split.split()) {  // this rank's elements, from their places in the whole
-      const auto flat = it->second.reshape({-1});
-      value = torch::empty(item.value().sizes(), it->second.options());
-      const auto out = value.view({-1});
-      for_each_whole_run(split, item.value().sizes(), tp->rank(), tp->size(), 0, value.numel(),
-                         [&](int64_t l, int64_t w, int64_t n) { out.slice(0, l, l + n).copy_(flat.slice(0, w, w + n)); });
-    }
+    if (split.split())  // this rank's elements, from their places in the whole
+      value = slice_of_whole(split, item.value().sizes(), tp->rank(), tp->size(), it->second, 0, item.value().numel())
+                  .view(item.value().sizes());
     copies.emplace_back(item.value(), value);
     used.insert(name);
   }

@@ -56,6 +56,16 @@ void for_each_whole_run(const TensorSplit& s, c10::IntArrayRef local_sizes, int 
   }
 }
 
+torch::Tensor slice_of_whole(const TensorSplit& s, c10::IntArrayRef local_sizes, int rank, int size,
+                             const torch::Tensor& whole, int64_t begin, int64_t end, int64_t k) {
+  const auto flat = whole.reshape({-1});
+  auto out = torch::empty({(end - begin) / k}, flat.options());
+  for_each_whole_run(s, local_sizes, rank, size, begin, end, [&](int64_t l, int64_t w, int64_t n) {
+    out.slice(0, (l - begin) / k, (l - begin + n) / k).copy_(flat.slice(0, w / k, (w + n) / k));
+  });
+  return out;
+}
+
 int64_t whole_run_granularity(const TensorSplit& s, c10::IntArrayRef local_sizes, int size) {
   int64_t g = 0;
   auto sizes = local_sizes.vec();

@@ -56,9 +56,6 @@ std::optional<c10::ScalarType> autocast_dtype(Precision p) {
 }
 
 void check_precision_supported(Precision p, const c10::Device& device) {
-  MEMTRAIN_CHECK(!(p == Precision::kFp16 && device.is_cpu()), ConfigError,
-                 "[precision] train.precision = fp16 needs a CUDA device (dynamic loss scaling runs there); "
-                 "on CPU use bf16");
   if (!(p == Precision::kBf16 && device.is_cuda())) return;
   const auto& cuda = at::detail::getCUDAHooks();
   const int n = cuda.hasCUDA() ? cuda.getNumGPUs() : 0;

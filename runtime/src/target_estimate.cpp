@@ -24,7 +24,6 @@ bool lowbit_blocks_fit_slices(const Config& v) {
   return std::gcd(whole.hidden / T, whole.ffn / T) % block == 0;
 }
 
-
 constexpr int64_t kMiB = int64_t{1} << 20;
 
 // What a GPU holds besides the caching allocator's tensors at the step's peak (docs/ESTIMATE.md, "CUDA terms").
@@ -214,7 +213,7 @@ TargetPlan plan_for_target(const Config& config, const Target& target, int world
                                 .estimate = {}};
                 auto v = config;
                 c.apply_to(v);
-                if (!v.tensor_parallel_refusal().empty()) continue;  // e.g. the fused head, an NF4 base
+                if (!v.tensor_parallel_refusal().empty()) continue;  // e.g. an NF4 base
                 if (!lowbit_blocks_fit_slices(v)) continue;
                 const auto e = estimate_for_target(v, target, world);
                 ++plan.considered;

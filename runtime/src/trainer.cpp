@@ -292,8 +292,13 @@ torch::Tensor Trainer::forward_loss(const Batch& batch, torch::Tensor* logits) {
   const bool masked = data_ && data_->masks_targets();
   if (head_rows_ >= 0) {  // memory.head = fused: the loss chunk by chunk, the logits never whole
     auto [features, weight] = *model_->head_features(h);
+    VocabSlice vocab;  // split T: this rank's vocabulary rows; the features entered into the split region (all tokens)
+    if (tp_ && tp_->size() > 1) {
+      features = tensor_parallel_enter(features, tp_.get());
+      vocab = {.begin = model_->head_vocab_begin(), .group = tp_->group.get()};
+    }
     return fused_linear_cross_entropy(features.reshape({-1, features.size(-1)}), weight, batch.target.reshape({-1}),
-                                      head_rows_, masked);
+                                      head_rows_, masked, vocab);
   }
   auto out = model_->head(h);
   if (logits) *logits = out;
@@ -893,16 +898,16 @@ torch::Tensor Trainer::whole_parameter(const std::string& name, const torch::Ten
   return whole;
 }
 
+int64_t Trainer::whole_numel(const std::string& name, c10::IntArrayRef local_sizes) const {
+  return c10::multiply_integers(whole_sizes(model_->tensor_split(name), local_sizes));
+}
+
 torch::Tensor Trainer::local_slice(const std::string& name, const torch::Tensor& whole, c10::IntArrayRef local_sizes,
                                    int64_t begin, int64_t end, int64_t k) const {
   const auto flat = whole.reshape({-1});
   const auto split = model_->tensor_split(name);
   if (!tp_ || !split.split()) return flat.slice(0, begin / k, end / k);
-  auto out = torch::empty({(end - begin) / k}, flat.options());
-  for_each_whole_run(split, local_sizes, tp_->rank(), tp_->size(), begin, end, [&](int64_t l, int64_t w, int64_t n) {
-    out.slice(0, (l - begin) / k, (l - begin + n) / k).copy_(flat.slice(0, w / k, (w + n) / k));
-  });
-  return out;
+  return slice_of_whole(split, local_sizes, tp_->rank(), tp_->size(), flat, begin, end, k);
 }
 
 void Trainer::save_weights(const std::string& path) {

@@ -236,7 +236,7 @@ Trainer::PlanKnobs Trainer::plan_knobs() const {
   const auto parts = model_->part_names();
   if (std::find(parts.begin(), parts.end(), "attn") != parts.end()) policies.push_back("attn");
   std::vector<std::string> heads = {"plain"};
-  if (model_->has_linear_head() && !tp_) heads.push_back("fused");  // split: the vocabulary-parallel head already
+  if (model_->has_linear_head()) heads.push_back("fused");  // split: the vocabulary-parallel head already
   std::vector<int> stages = {static_cast<int>(config_.dist.zero_stage)};
   if (world_.world_size > 1) stages = {0, 1, 2, 3};
   // Offload is a knob where it frees the device (CUDA): the stepped part, its gradient and the optimizer
@@ -416,7 +416,7 @@ EstimateInputs Trainer::estimate_inputs(int world, const std::string& optimizer)
   std::vector<int64_t> trained, whole;
   for (size_t i = 0; i < params_.size(); ++i) {
     trained.push_back(params_[i].numel());
-    whole.push_back(c10::multiply_integers(whole_sizes(model_->tensor_split(param_names_[i]), params_[i].sizes())));
+    whole.push_back(whole_numel(param_names_[i], params_[i].sizes()));
   }
   // Tensor parallel: this rank's slices are params_ (their state quantized as their whole parameters'); estimate_settings
   // shards ZeRO over world / T data-parallel ranks.

@@ -331,7 +331,7 @@ std::string Trainer::lowbit_slices_refusal(const TrainOptions& t) const {
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& name = param_names_[i];
     const auto split = model_->tensor_split(name);
-    const int64_t whole = c10::multiply_integers(whole_sizes(split, params_[i].sizes()));
+    const int64_t whole = whole_numel(name, params_[i].sizes());
     if (!split.split() || whole < t.optimizer_min_quantized || whole % block != 0) continue;  // fp32 moments
     const int64_t runs = whole_run_granularity(split, params_[i].sizes(), T);
     if (runs % block == 0) continue;
@@ -366,7 +366,7 @@ void Trainer::setup_data_parallel() {
       options.frozen.emplace_back(frozen_names_[i], frozen_[i]), options.frozen_units.push_back(frozen_units_[i]);
   std::map<std::string, int64_t> numel;  // low-bit state: a rank's part is quantized as its whole parameter
   for (size_t i = 0; i < params_.size(); ++i)
-    numel[param_names_[i]] = c10::multiply_integers(whole_sizes(model_->tensor_split(param_names_[i]), params_[i].sizes()));
+    numel[param_names_[i]] = whole_numel(param_names_[i], params_[i].sizes());
   if (tp_) {  // over this rank's data-parallel group; the norm over the tensor-parallel group too
     options.model_group = tp_group_;
     for (const auto& name : param_names_)

@@ -67,7 +67,7 @@ std::vector<ShardPiece> Trainer::state_pieces() const {
   // A field of k elements per value (4-bit codes, absmaxes) saves values [begin / k, end / k) of a (numel / k,) tensor.
   auto add_state = [&](const std::string& name, const torch::Tensor& stepped, const std::vector<int64_t>& shape,
                        int64_t begin, int64_t end) {
-    const auto numel = c10::multiply_integers(whole_sizes(model_->tensor_split(name), shape));  // quantized as the whole
+    const auto numel = whole_numel(name, shape);  // quantized as the whole
     std::map<std::string, int64_t> per_value;
     for (const auto& f : param_state_fields(*optimizer_, numel)) per_value[f.name] = f.per_value;
     for (const auto& [field, value] : get_param_state(*optimizer_, stepped)) {
@@ -234,7 +234,7 @@ std::set<std::string> Trainer::check_checkpoint(const std::string& path, const L
   for (const auto& [name, b] : buffers) expect("buffer/" + name, b, "buffer");
   std::set<std::string> stepped_names;  // parameters that have optimizer state in the checkpoint
   for (const auto& [name, p] : params) {
-    const auto numel = c10::multiply_integers(whole_of(name, p));
+    const auto numel = whole_numel(name, p.sizes());
     const auto state_fields = param_state_fields(*optimizer_, numel);
     size_t present = 0;
     for (const auto& f : state_fields) present += T.count("optim/" + name + "/" + f.name);
@@ -292,7 +292,7 @@ void Trainer::load_checkpoint(const std::string& path) {
   };
   auto state_of = [&](const std::string& name, int64_t begin, int64_t end) {
     std::map<std::string, torch::Tensor> state;
-    const auto numel = c10::multiply_integers(whole_sizes(model_->tensor_split(name), params.at(name).sizes()));
+    const auto numel = whole_numel(name, params.at(name).sizes());
     for (const auto& f : param_state_fields(*optimizer_, numel)) {
       const auto& t = T.at("optim/" + name + "/" + f.name);
       state[f.name] = f.per_value == 0 ? t : slice_of(name, t, begin, end, f.per_value);

@@ -10,6 +10,9 @@ Run by scripts/reference/write_fixtures.sh (the build, and gpu_deps.sh) with the
                            loss and gradients, with the RNG seeded right before the forward
   gpt_bf16.safetensors     the same GPT under torch.autocast("cpu", torch.bfloat16): loss and gradients,
                            single-threaded (as is every fixture here; the C++ test runs it on one thread too)
+  gpt_fp16.safetensors     the same GPT trained under torch.autocast("cpu", torch.float16) with
+                           torch.amp.GradScaler("cpu") and AdamW, a scale so large that steps overflow: each step's
+                           loss, scale and whether it stepped, and every parameter after the last one
   grad_scaler.safetensors  torch.amp.GradScaler's scale after each step for an inf/NaN injection pattern
   ddp_zero.safetensors     2 Gloo ranks under DistributedDataParallel, with torch.optim.AdamW and with
                            ZeroRedundancyOptimizer: batches, losses, final parameters (ddp_ref.py)
@@ -148,6 +151,32 @@ def gpt_master(out):
     save(os.path.join(out, "gpt_master.safetensors"), t)
 
 
+def gpt_fp16(out):
+    """fp16 autocast on the CPU with dynamic loss scaling: 10 AdamW steps on the fixture batch from a scale of 2^27
+    (the first steps' fp16 gradients overflow and are skipped), backoff 0.25, growth after 2 finite steps."""
+    m = make_model()
+    x, y = batch()
+    opt = adamw(list(m.parameters()))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 27, growth_factor=2.0, backoff_factor=0.25, growth_interval=2)
+    losses, scales, stepped = [], [], []
+    for _ in range(10):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            _, loss = m(x, y)
+        scaler.scale(loss).backward()
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(loss.item())
+        scales.append(scaler.get_scale())
+        stepped.append(0 if scaler.get_scale() < before else 1)  # a backoff is a skipped step
+    t = {"final." + n: p.detach().clone() for n, p in m.named_parameters()}
+    t["losses"] = torch.tensor(losses, dtype=torch.float64)
+    t["scales"] = torch.tensor(scales, dtype=torch.float64)
+    t["stepped"] = torch.tensor(stepped, dtype=torch.int64)
+    save(os.path.join(out, "gpt_fp16.safetensors"), t)
+
+
 def grad_scaler(out):
     """Scale after each update for: finite steps, inf at steps 3 and 4, NaN at step 9, interval 3."""
     p = nn.Parameter(torch.ones(4))
@@ -180,6 +209,7 @@ def main():
     gpt_checkpoint(out)
     gpt_bf16(out)
     gpt_master(out)
+    gpt_fp16(out)
     grad_scaler(out)
     import ddp_ref  # here, not at the top: it imports this module for the GPT, its weights and the writer
     ddp_ref.main(out)

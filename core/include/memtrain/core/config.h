@@ -109,7 +109,7 @@ struct TrainOptions {
   double grad_clip = 1.0;          // max global grad norm; 0 = off
   int64_t micro_batch = 16;        // samples per forward/backward, per rank
   int64_t accum_steps = 1;         // micro-batches per optimizer step
-  std::string precision = "fp32";  // fp32 | bf16 | fp16 (fp16: CUDA only)
+  std::string precision = "fp32";  // fp32 | bf16 | fp16 (fp16: with dynamic loss scaling)
   std::string param_dtype = "fp32"; // fp32 | bf16 (bf16 parameters and gradients, fp32 master weights)
   // fp16 dynamic loss scaling (torch.amp.GradScaler's defaults)
   double loss_scale_init = 65536.0;

@@ -162,6 +162,7 @@ class Llama : public Model {
   torch::Tensor head(const torch::Tensor& h) override;  // (B, T, C) -> (B, T, vocab)
   std::optional<std::pair<torch::Tensor, torch::Tensor>> head_features(const torch::Tensor& h) override;
   bool has_linear_head() const override { return true; }
+  int64_t head_vocab_begin() const override { return vocab_begin_; }
   double train_flops_per_sample() const override;
   int64_t tokens_per_sample() const override { return options_.block_size; }
   double block_activation_bytes(int64_t micro_batch, int64_t bytes_per_element) const override;

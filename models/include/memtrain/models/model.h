@@ -43,6 +43,8 @@ class Model : public torch::nn::Module {
     return std::nullopt;
   }
   virtual bool has_linear_head() const { return false; }
+  // Split T (a vocabulary-parallel head): the first vocabulary row of this rank's head weight; else 0.
+  virtual int64_t head_vocab_begin() const { return 0; }
   // Mean cross-entropy of `output` (logits, last dim = classes) against integer `target`.
   virtual torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) const;
 

@@ -82,6 +82,11 @@ std::vector<int64_t> whole_sizes(const TensorSplit& s, c10::IntArrayRef local_si
 // that is contiguous in the flattened whole too (a row-parallel weight: one run per row; a column split: long runs).
 void for_each_whole_run(const TensorSplit& s, c10::IntArrayRef local_sizes, int rank, int size, int64_t begin, int64_t end,
                         const std::function<void(int64_t local, int64_t whole, int64_t length)>& fn);
+// Elements [begin, end) of the flattened slice on `rank`, copied from `whole`, which holds the whole parameter with k
+// of its elements per value (k = 1: its values; a low-bit state field: one code or absmax per k elements): a flat
+// tensor of (end - begin) / k values. begin and every run's bounds must be multiples of k (whole_run_granularity).
+torch::Tensor slice_of_whole(const TensorSplit& s, c10::IntArrayRef local_sizes, int rank, int size,
+                             const torch::Tensor& whole, int64_t begin, int64_t end, int64_t k = 1);
 
 // The largest length g such that, on every rank of `size`, each run of for_each_whole_run over the whole slice starts
 // (in the slice and in the whole) and ends at multiples of g: blocks of any divisor of g cut from the start of a slice

@@ -26,9 +26,10 @@ Precision parse_precision(const std::string& name);  // fp32 | bf16 | fp16
 const char* precision_name(Precision p);
 // The autocast dtype of a precision (nullopt for fp32).
 std::optional<c10::ScalarType> autocast_dtype(Precision p);
-// Refuses combinations the hardware or LibTorch cannot run: fp16 on CPU (no loss-scaled fp16 CPU
-// autocast in memtrain), bf16 on a CUDA device without native bf16 (compute capability < 8.0): the
-// capability of `device` itself, not of the thread's current CUDA device.
+// Refuses combinations the hardware cannot run: bf16 on a CUDA device without native bf16 (compute capability < 8.0):
+// the capability of `device` itself, not of the thread's current CUDA device. fp16 runs anywhere: CPU autocast casts
+// to fp16 as torch.autocast("cpu", torch.float16) does, and the loss scaler's ATen kernels run on a CPU as
+// torch.amp.GradScaler("cpu") does (fast only where the CPU has fp16 arithmetic, as bf16).
 void check_precision_supported(Precision p, const c10::Device& device);
 
 // train.param_dtype = bf16: the module's floating parameters and buffers become bf16 in place (their

@@ -312,6 +312,8 @@ class Trainer {
   std::string lowbit_slices_refusal(const TrainOptions& t) const;
   int tp_rank() const { return tp_ ? tp_->rank() : 0; }
   int dp_rank() const { return ParallelDims::of(config_.dist, world_.world_size).dp_rank(world_.rank); }
+  // The element count of parameter `name` whole, from this rank's slice's sizes (not split: their product).
+  int64_t whole_numel(const std::string& name, c10::IntArrayRef local_sizes) const;
   // Parameter `name` whole from this rank's slice `local` (a collective over the tensor-parallel group; others: local).
   torch::Tensor whole_parameter(const std::string& name, const torch::Tensor& local);
   // Elements [begin, end) of the slice of `name` (sizes `local_sizes`) this rank holds, from the whole tensor. k > 1:
