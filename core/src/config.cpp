@@ -661,9 +661,6 @@ std::string Config::tensor_parallel_refusal() const {
   if (T <= 1) return "";
   const auto with = detail::concat("[config] dist.tensor_parallel = ", T);
   if (model.name != "gpt" && model.name != "llama") return with + " splits gpt and llama models; model.name is " + model.name;
-  if (lora.quantize_base != "none")
-    return with + " with lora.quantize_base = " + lora.quantize_base + " is not supported yet (NF4 blocks of a slice "
-                  "are not those of the whole weight); use lora.quantize_base = none";
   return "";
 }
 

@@ -130,8 +130,8 @@ HuggingFaceWeights::HuggingFaceWeights(Model& model, const std::string& dir) : i
     const auto packed = nf4.find(item.key());
     // A tensor-parallel slice reads from its whole parameter (InitialValues maps its elements to their places).
     const auto split = model.tensor_split(item.key());
-    auto expected = packed == nf4.end() ? whole_sizes(split, p.sizes()) : packed->second.shape;
-    const int64_t numel = packed == nf4.end() ? c10::multiply_integers(expected) : packed->second.numel();
+    auto expected = packed == nf4.end() ? whole_sizes(split, p.sizes()) : packed->second.whole_shape();
+    const int64_t numel = c10::multiply_integers(expected);
     if (hf.transposed) std::reverse(expected.begin(), expected.end());
     auto stored = e.shape;
     if (hf.rows > 0) {  // rows [row_begin, row_begin + rows) of the stored tensor

@@ -94,6 +94,8 @@ struct Nf4LinearFunction : public torch::autograd::Function<Nf4LinearFunction> {
 
 }  // namespace
 
+std::vector<int64_t> Nf4Format::whole_shape() const { return is_slice() ? whole_sizes(split, shape) : shape; }
+
 int64_t Nf4Format::numel() const {
   int64_t n = 1;
   for (auto s : shape) n *= s;
@@ -170,11 +172,30 @@ Nf4Parts nf4_quantize(const torch::Tensor& w, const Nf4Options& o, int64_t code_
 
 torch::Tensor nf4_pack(const torch::Tensor& w, const Nf4Format& f) { return nf4_pack_range(w, f, 0, f.packed_bytes()); }
 
+// A slice's packed bytes [begin, end) from its whole weight's values `w`: the whole quantized as one process quantizes
+// it, the slice's codes (two values a byte) and its blocks' dequantized absmaxes taken from their places in the whole.
+torch::Tensor nf4_pack_slice(const torch::Tensor& w, const Nf4Format& f, int64_t begin, int64_t end) {
+  const Nf4Format whole{.shape = f.whole_shape(), .dtype = f.dtype, .block = f.block, .scaler_block = f.scaler_block,
+                        .double_quant = f.whole_double_quant};
+  MEMTRAIN_CHECK(w.numel() == whole.numel() && w.scalar_type() == f.dtype, Error, "[nf4] packing a slice of shape ",
+                 c10::IntArrayRef(f.shape), " from a ", w.scalar_type(), " tensor of ", w.numel(), " values; expected its whole ",
+                 c10::IntArrayRef(whole.shape), " in ", f.dtype);
+  const auto parts = nf4_quantize(w, {.block = f.block, .scaler_block = f.scaler_block, .double_quant = f.whole_double_quant});
+  const auto scales = nf4_block_scales(parts, whole);
+  auto packed = torch::zeros({f.packed_bytes()}, w.options().dtype(torch::kByte));
+  const int64_t n = f.numel();
+  packed.narrow(0, 0, n / 2).copy_(slice_of_whole(f.split, f.shape, f.tp_rank, f.tp_size, parts.codes, 0, n, 2));
+  bytes_as(packed, f.scales_offset(), f.blocks(), f.dtype)
+      .copy_(slice_of_whole(f.split, f.shape, f.tp_rank, f.tp_size, scales, 0, n, f.block));
+  return begin == 0 && end == f.packed_bytes() ? packed : packed.slice(0, begin, end).clone();
+}
+
 torch::Tensor nf4_pack_range(const torch::Tensor& w, const Nf4Format& f, int64_t begin, int64_t end) {
-  MEMTRAIN_CHECK(w.numel() == f.numel() && w.scalar_type() == f.dtype, Error, "[nf4] packing a ", w.scalar_type(),
-                 " tensor of ", w.numel(), " values into a ", f.dtype, " format of ", f.numel());
   MEMTRAIN_CHECK(0 <= begin && begin <= end && end <= f.packed_bytes(), Error, "[nf4] bytes [", begin, ", ", end,
                  ") of a packed weight of ", f.packed_bytes());
+  if (f.is_slice()) return nf4_pack_slice(w, f, begin, end);
+  MEMTRAIN_CHECK(w.numel() == f.numel() && w.scalar_type() == f.dtype, Error, "[nf4] packing a ", w.scalar_type(),
+                 " tensor of ", w.numel(), " values into a ", f.dtype, " format of ", f.numel());
   const int64_t codes = f.numel() / 2;
   const int64_t code_begin = std::min(begin, codes), code_end = std::min(end, codes);
   const auto parts = nf4_quantize(w, {.block = f.block, .scaler_block = f.scaler_block, .double_quant = f.double_quant},
@@ -277,9 +298,27 @@ std::vector<std::pair<std::string, Nf4Format>> quantize_frozen_linears(Model& mo
     const auto& path = item.key();
     if (path.substr(path.rfind('.') + 1) == "lm_head") continue;  // the output head stays (as bitsandbytes leaves it)
     auto& w = linear->weight;
-    if (w.requires_grad() || !nf4_eligible(w.numel(), options)) continue;
+    const auto name = path + ".weight";
+    const auto* tp = model.tensor_parallel();
+    const auto split = tp && tp->size() > 1 ? model.tensor_split(name) : TensorSplit{};
+    const int64_t whole = c10::multiply_integers(whole_sizes(split, w.sizes()));
+    if (w.requires_grad() || !nf4_eligible(whole, options)) continue;  // quantized where one process quantizes it
     auto module = std::make_shared<Nf4Weight>();
-    module->format = nf4_format(w.sizes().vec(), torch::kBFloat16, options);
+    if (split.split()) {
+      MEMTRAIN_CHECK(!quantize_values, Error, "[nf4] ", name, " is a tensor-parallel slice: it is quantized by the fill, "
+                     "from its whole weight's values");
+      const int64_t runs = whole_run_granularity(split, w.sizes(), tp->size());
+      MEMTRAIN_CHECK(runs % options.block == 0, ConfigError, "[config] lora.quantize_base = nf4 with dist.tensor_parallel = ",
+                     tp->size(), ": ", name, " (", whole, " values) is quantized in blocks of ", options.block,
+                     " values (lora.quantize_block), but its slices are cut in runs of ", runs, " values of the whole, so a "
+                     "slice's blocks would not be the whole weight's; set lora.quantize_block to an even divisor of ", runs,
+                     " or a smaller dist.tensor_parallel");
+      module->format = nf4_format(w.sizes().vec(), torch::kBFloat16, {.block = options.block, .double_quant = false});
+      module->format.split = split, module->format.tp_rank = tp->rank(), module->format.tp_size = tp->size();
+      module->format.whole_double_quant = options.double_quant;
+    } else {
+      module->format = nf4_format(w.sizes().vec(), torch::kBFloat16, options);
+    }
     const auto& f = module->format;
     if (quantize_values) {
       const auto values = w.detach().to(torch::kBFloat16).contiguous();
@@ -290,7 +329,7 @@ std::vector<std::pair<std::string, Nf4Format>> quantize_frozen_linears(Model& mo
       w.set_data(has_no_memory(w) ? shapes_only_tensor({f.packed_bytes()}, {.shapes_only = true, .dtype = torch::kByte, .device = w.device()})
                                   : torch::zeros({f.packed_bytes()}, w.options().dtype(torch::kByte)));
     linear->register_module("nf4", module);
-    out.emplace_back(path + ".weight", f);
+    out.emplace_back(name, f);
   }
   return out;
 }

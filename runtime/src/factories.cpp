@@ -144,21 +144,24 @@ EstimateInputs model_state_inputs(const Config& config, int world) {
     auto in = estimate_settings(config.train, config.dist, world, config.train.param_dtype == "bf16", trained, whole_trained);
     in.block_elements.assign(static_cast<size_t>(layers), adapters);
     // lora.quantize_base = nf4: each block linear of whole NF4 groups counts its packed bytes (in parameter-sized
-    // elements, as the frozen parameters are counted).
+    // elements, as the frozen parameters are counted). Split T: a slice of a weight whose whole is eligible, its
+    // blocks' absmaxes kept dequantized in bf16 (Nf4Format::split).
     int64_t frozen_block = block_all;
     if (config.lora.quantize_base == "nf4") {
       const auto nf4 = nf4_options(config.lora);
+      const auto slice = config.dist.tensor_parallel > 1 ? Nf4Options{.block = nf4.block, .double_quant = false} : nf4;
       for (int64_t i = 0; i < shapes.block_linears; ++i) {
         const int64_t n = block[static_cast<size_t>(i)];
-        if (!nf4_eligible(n, nf4)) continue;
-        const int64_t packed = nf4_format({n}, torch::kBFloat16, nf4).packed_bytes();
+        if (!nf4_eligible(whole.block[static_cast<size_t>(i)], nf4)) continue;
+        const int64_t packed = nf4_format({n}, torch::kBFloat16, slice).packed_bytes();
         frozen_block += (packed + in.param_bytes - 1) / in.param_bytes - n;
       }
     }
     in.frozen_block_elements.assign(static_cast<size_t>(layers), frozen_block);
     in.frozen_root_elements = root_all;
     in.frozen_elements = layers * frozen_block + root_all;
-    for (const auto* list : {&block, &root})
+    // NF4: the fill reads one whole weight at a time (a slice's too)
+    for (const auto* list : {config.lora.quantize_base == "nf4" ? &whole.block : &block, &root})
       for (auto n : *list) in.largest_elements = std::max(in.largest_elements, n);
     return in;
   }

@@ -14,14 +14,16 @@ namespace memtrain {
 
 namespace {
 
-// Low-bit state on a split model keeps whole blocks when its blocks divide every run of the row-parallel weights' slices
-// (h / T and F / T columns; the column and vocabulary splits run in multiples of h): Trainer::lowbit_slices_refusal's
-// rule for the closed form's weights.
-bool lowbit_blocks_fit_slices(const Config& v) {
-  const int64_t T = v.dist.tensor_parallel, block = optimizer_block(v.train);
-  if (T <= 1 || block == 0) return true;
+// Low-bit state and an NF4 base on a split model keep whole blocks when their blocks divide every run of the
+// row-parallel weights' slices (h / T and F / T columns; the column and vocabulary splits run in multiples of h):
+// Trainer::lowbit_slices_refusal's and quantize_frozen_linears' rule for the closed form's weights.
+bool blocks_fit_slices(const Config& v) {
+  const int64_t T = v.dist.tensor_parallel;
+  if (T <= 1) return true;
   const auto whole = model_family(v.model.name).shape(v.model, config_vocab(v));
-  return std::gcd(whole.hidden / T, whole.ffn / T) % block == 0;
+  const int64_t runs = std::gcd(whole.hidden / T, whole.ffn / T);
+  const int64_t block = optimizer_block(v.train);
+  return (block == 0 || runs % block == 0) && (v.lora.quantize_base != "nf4" || runs % v.lora.quantize_block == 0);
 }
 
 constexpr int64_t kMiB = int64_t{1} << 20;
@@ -74,11 +76,12 @@ ActivationSettings activation_settings(const Config& config, bool cuda, bool kee
   if (config.lora.quantize_base == "nf4" && has_closed_form(config.model)) {
     // The largest NF4 weight dequantized: bf16 values (on CUDA also a chunk's int32 indices and gathered levels, 6
     // bytes per value of 2^24 at most), and their fp32 copy for an fp32 input without autocast.
+    // Split T: a slice of 1/T of a weight whose whole is eligible.
     const auto shapes = model_family(config.model.name).tensors(config.model, config_vocab(config));
     int64_t largest = 0;
     for (int64_t i = 0; i < shapes.block_linears; ++i)
       if (nf4_eligible(shapes.block[static_cast<size_t>(i)], nf4_options(config.lora)))
-        largest = std::max(largest, shapes.block[static_cast<size_t>(i)]);
+        largest = std::max(largest, shapes.block[static_cast<size_t>(i)] / config.dist.tensor_parallel);
     const int64_t fp32_copy = s.autocast || s.half_params ? 0 : 4;
     s.nf4_dequantized_bytes = largest * 2 + std::max(cuda ? 6 * std::min(largest, int64_t{1} << 24) : 0, fp32_copy * largest);
   }
@@ -214,7 +217,7 @@ TargetPlan plan_for_target(const Config& config, const Target& target, int world
                 auto v = config;
                 c.apply_to(v);
                 if (!v.tensor_parallel_refusal().empty()) continue;  // e.g. an NF4 base
-                if (!lowbit_blocks_fit_slices(v)) continue;
+                if (!blocks_fit_slices(v)) continue;
                 const auto e = estimate_for_target(v, target, world);
                 ++plan.considered;
                 c.estimate = e.states;

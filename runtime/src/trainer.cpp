@@ -91,6 +91,12 @@ class InitialValues {
     for_each_whole_run(split, shapes_.at(name), tp->rank(), tp->size(), begin, begin + out.numel(),
                        [&](int64_t local, int64_t whole, int64_t n) { into_whole(flat.slice(0, local - begin, local - begin + n), name, whole); });
   }
+  // The whole parameter's `numel` values (fp32, on the CPU), whatever slice of it this rank holds.
+  torch::Tensor whole(const std::string& name, int64_t numel) {
+    auto out = torch::empty({numel});
+    into_whole(out, name, 0);
+    return out;
+  }
   HuggingFaceWeights* weights() { return weights_.get(); }
   int64_t drawn() const { return drawn_; }  // random values drawn so far
 
@@ -261,7 +267,9 @@ void Trainer::fill_held() {
 torch::Tensor Trainer::nf4_values(InitialValues& values, const std::string& name, const c10::Device& device) {
   const auto& f = nf4_.at(name);
   // fp32 values on the host -> the format's dtype (bf16) on the device, which torchao's to_nf4 quantizes; their digest.
-  auto v = values(name, 0, f.numel()).view(f.shape).to(device, f.dtype);
+  // A tensor-parallel slice: its whole weight's values (quantized whole, as one process does; the digest is the same).
+  const auto shape = f.whole_shape();
+  auto v = (f.is_slice() ? values.whole(name, c10::multiply_integers(shape)) : values(name, 0, f.numel())).view(shape).to(device, f.dtype);
   nf4_digests_[name] = nf4_digest(v);
   return v;
 }
@@ -928,6 +936,7 @@ void Trainer::save_weights(const std::string& path) {
     auto it = by_impl.find(item.value().unsafeGetTensorImpl());
     const auto& value = it != by_impl.end() ? it->second : item.value();
     if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;  // a tied weight: whole once, below
+    if (tp_ && nf4_.count(item.key())) continue;  // a split NF4 base: init_from's (memtrain export --merged remakes it)
     tensors.emplace(item.key(), tp_ ? whole_parameter(item.key(), value) : value);
   }
   for (const auto& item : model_->named_parameters())  // tied names: the same whole tensor

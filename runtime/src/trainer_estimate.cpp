@@ -432,7 +432,8 @@ EstimateInputs Trainer::estimate_inputs(int world, const std::string& optimizer)
     const int64_t bytes = frozen_[i].numel() * static_cast<int64_t>(frozen_[i].element_size());
     const int64_t elements = (bytes + in.param_bytes - 1) / in.param_bytes;
     in.frozen_elements += elements;
-    in.largest_elements = std::max(in.largest_elements, nf4 == nf4_.end() ? frozen_[i].numel() : nf4->second.numel());
+    in.largest_elements = std::max(in.largest_elements, nf4 == nf4_.end() ? frozen_[i].numel()
+                                                                          : c10::multiply_integers(nf4->second.whole_shape()));
     const auto u = i < frozen_units_.size() ? frozen_units_[i] : -1;
     (u < 0 || static_cast<size_t>(u) >= in.frozen_block_elements.size() ? in.frozen_root_elements
                                                                          : in.frozen_block_elements[static_cast<size_t>(u)]) += elements;

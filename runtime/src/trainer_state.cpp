@@ -102,15 +102,16 @@ std::vector<ShardPiece> Trainer::state_pieces() const {
     std::map<std::string, std::vector<int64_t>> shapes;
     for (const auto& slot : dp_->frozen_index()) shapes[slot.name] = slot.shape;
     for (const auto& seg : dp_->frozen_segments())
-      if (!nf4_.count(seg.name)) add("frozen/" + seg.name, seg.stepped, shapes.at(seg.name), seg.begin, seg.end);
+      if (!nf4_.count(seg.name)) add_slice("frozen/" + seg.name, seg.name, seg.stepped, shapes.at(seg.name), seg.begin, seg.end);
   }
   // An NF4 base is not saved: it is made again from its source (model.init_from, or the seed), and the manifest's
   // quantized_base records which, with a digest of its bytes.
+  // What does not train, whole, once: by the first data-parallel group's ranks (tensor parallel: each its slices).
+  if (!frozen_sharded() && (tp_ ? dp_rank() == 0 : world_.is_main()))
+    for (size_t i = 0; i < frozen_.size(); ++i)
+      if (!nf4_.count(frozen_names_[i]))
+        add_slice("frozen/" + frozen_names_[i], frozen_names_[i], frozen_[i], frozen_[i].sizes().vec(), 0, frozen_[i].numel());
   if (world_.is_main()) {
-    if (!frozen_sharded())
-      for (size_t i = 0; i < frozen_.size(); ++i)  // what does not train: whole, once
-        if (!nf4_.count(frozen_names_[i]))
-          add("frozen/" + frozen_names_[i], frozen_[i], frozen_[i].sizes().vec(), 0, frozen_[i].numel());
     for (const auto& item : model_->named_buffers())
       add("buffer/" + item.key(), item.value(), item.value().sizes().vec(), 0, item.value().numel());
     if (scaler_) {
@@ -230,7 +231,7 @@ std::set<std::string> Trainer::check_checkpoint(const std::string& path, const L
   std::map<std::string, torch::Tensor> frozen;
   for (size_t i = 0; i < frozen_.size(); ++i)
     if (!nf4_.count(frozen_names_[i])) frozen[frozen_names_[i]] = frozen_[i];
-  for (const auto& [name, p] : frozen) expect("frozen/" + name, p, "frozen parameter");
+  for (const auto& [name, p] : frozen) expect_sizes("frozen/" + name, whole_of(name, p), "frozen parameter");
   for (const auto& [name, b] : buffers) expect("buffer/" + name, b, "buffer");
   std::set<std::string> stepped_names;  // parameters that have optimizer state in the checkpoint
   for (const auto& [name, p] : params) {
@@ -319,12 +320,18 @@ void Trainer::load_checkpoint(const std::string& path) {
     }
   }
   for (auto& [name, b] : buffers) b.copy_(T.at("buffer/" + name));
+  // What does not train: this rank's elements (tensor parallel: from their places in the whole).
   if (frozen_sharded()) {
+    std::map<std::string, std::vector<int64_t>> shapes;
+    for (const auto& slot : dp_->frozen_index()) shapes[slot.name] = slot.shape;
     for (const auto& seg : dp_->frozen_segments())
-      if (!nf4_.count(seg.name)) seg.stepped.copy_(T.at("frozen/" + seg.name).reshape({-1}).slice(0, seg.begin, seg.end));
+      if (!nf4_.count(seg.name))
+        seg.stepped.copy_(local_slice(seg.name, T.at("frozen/" + seg.name), shapes.at(seg.name), seg.begin, seg.end));
   } else {
     for (size_t i = 0; i < frozen_.size(); ++i)
-      if (!nf4_.count(frozen_names_[i])) frozen_[i].copy_(T.at("frozen/" + frozen_names_[i]));
+      if (!nf4_.count(frozen_names_[i]))
+        frozen_[i].copy_(local_slice(frozen_names_[i], T.at("frozen/" + frozen_names_[i]), frozen_[i].sizes(), 0,
+                                     frozen_[i].numel()).view(frozen_[i].sizes()));
   }
   if (scaler_ && T.count("scaler/scale") && T.count("scaler/growth_tracker"))
     scaler_->load_state(T.at("scaler/scale"), T.at("scaler/growth_tracker"));

@@ -438,7 +438,6 @@ TEST(TensorParallel, BudgetPlansTheSplitModelAndEveryRankFits) {
     const auto planned = train(dir, name, 2, 8, wide + " --memory.budget_mib=" + std::to_string(budget / 1048576.0));
     ASSERT_EQ(planned.code, 0) << planned.output;
     EXPECT_NE(planned.output.find("plan for a budget"), std::string::npos) << planned.output;
-    EXPECT_EQ(planned.output.find("head fused"), std::string::npos) << "the split model's head is the plain one";
     for (int r = 0; r < 2; ++r) EXPECT_LE(largest_peak(planned.dir, r), budget) << "rank " << r << "\n" << planned.output;
     ASSERT_EQ(planned.losses.size(), plain.losses.size()) << planned.output;
     for (size_t i = 0; i < plain.losses.size(); ++i)
@@ -460,9 +459,6 @@ TEST(TensorParallel, RefusesWhatItCannotSplit) {
   EXPECT_NE(refused("kv", 2, kLlama + " --model.n_kv_head=1 --dist.tensor_parallel=2").find("model.n_kv_head = 1"),
             std::string::npos);
   EXPECT_NE(refused("world", 2, kGpt + " --dist.tensor_parallel=4").find("dist.tensor_parallel = 4 must divide the 2 ranks"),
-            std::string::npos);
-  EXPECT_NE(refused("nf4", 2, kLlama + " --lora.rank=4 --lora.targets=q_proj --lora.quantize_base=nf4 --dist.tensor_parallel=2")
-                .find("lora.quantize_base = nf4 is not supported yet"),
             std::string::npos);
 }
 

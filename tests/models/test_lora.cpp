@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <regex>
+#include <tuple>
 
 #include "helpers.h"
 #include "memtrain/core/config.h"
@@ -398,7 +399,9 @@ TEST(Lora, ExportedAdapterAndMergedModelLoadInPeftAndTransformersWithMemtrainsLo
 
 // QLoRA through the binaries: the nf4_llama folder of scripts/reference/nf4_ref.py (width 128, 2 layers, vocabulary
 // 128) with its adapters, the frozen block linears in NF4, on random token ids.
-std::string run_qlora(const test::TempDir& dir, int ranks, const std::string& name, const std::string& extra, int* code) {
+// `micro`: samples per micro-batch on each rank (0: the 4 of a step over the ranks).
+std::string run_qlora(const test::TempDir& dir, int ranks, const std::string& name, const std::string& extra, int* code,
+                      int micro = 0) {
   const auto tokens = dir.path("tokens128.bin");
   if (!fs::exists(tokens)) {
     torch::manual_seed(12);
@@ -410,7 +413,7 @@ std::string run_qlora(const test::TempDir& dir, int ranks, const std::string& na
       test::binary("memtrain") + " --model.init_from=" + test::fixture("hf/nf4_llama") +
       " --lora.init_from=" + test::fixture("hf/nf4_llama_lora") + " --lora.quantize_base=nf4 --data.tokens=" + tokens +
       " --data.token_format=raw --model.block_size=16 --train.steps=4 --train.warmup_steps=1 --train.eval_every=0"
-      " --log.every=1 --log.progress=lines --train.lr=1e-2 --train.micro_batch=" + std::to_string(4 / ranks) +
+      " --log.every=1 --log.progress=lines --train.lr=1e-2 --train.micro_batch=" + std::to_string(micro ? micro : 4 / ranks) +
       " --memory.recompute=all --memory.head=fused --log.dir=" + dir.path() + " --log.name=" + name + " " + extra + " 2>&1";
   return test::shell(cmd, code);
 }
@@ -538,6 +541,86 @@ TEST(Qlora, ZeroStagesHoldHalfAByteAWeightMatchOneProcessAndResumeOnTheSameBaseO
                                              checkpoint_folder(dir.path("one/checkpoints"), 2), &code);
   EXPECT_NE(code, 0) << out;
   EXPECT_NE(out.find("not quantized"), std::string::npos) << out;
+}
+
+// QLoRA on a split model (dist.tensor_parallel = 2): each rank holds its slices of the NF4 weights (the whole weight
+// quantized as one process quantizes it, the slice's blocks' absmaxes kept dequantized in bf16), q, gate and up by rows,
+// o and down by columns; the fused head over the vocabulary's slices, every block recomputed. As one process to 1e-5 at
+// T = 2 (sequence parallel) and on a 2 x 2 grid with ZeRO-3 (the packed slices sharded too). Rank 0 holds the bytes of
+// the arithmetic, and the run's estimate counts them; the T = 2 checkpoint resumes in one process and the 2 x 2 one at
+// T = 2 (the base's record is the whole weights' digest on any grid) within 1e-6; export --merged is one process's.
+TEST(Qlora, TensorParallelSlicesTrainAsOneProcessAndResumeOnAnotherGrid) {
+  test::TempDir dir;
+  int code = -1;
+  auto out = run_qlora(dir, 1, "one", "", &code);
+  ASSERT_EQ(code, 0) << out;
+  const auto one = losses(dir, "one");
+  const auto one_norms = test::metric_grad_norms(dir.path("one/metrics.jsonl"));
+  ASSERT_EQ(one.size(), 4u);
+  for (const auto& [ranks, name, extra] : {std::tuple{2, "t2", " --checkpoint.every=2"},
+                                           std::tuple{4, "2x2", " --dist.zero_stage=3 --dist.sequence_parallel=off --checkpoint.every=2"}}) {
+    SCOPED_TRACE(name);
+    out = run_qlora(dir, ranks, name, std::string("--dist.tensor_parallel=2") + extra, &code, 4 * 2 / ranks);
+    ASSERT_EQ(code, 0) << out;
+    EXPECT_NE(out.find("nf4:        10 frozen linear weights"), std::string::npos) << out;
+    const auto got = losses(dir, name);
+    const auto norms = test::metric_grad_norms(dir.path(std::string(name) + "/metrics.jsonl"));
+    ASSERT_EQ(got.size(), 4u) << out;
+    ASSERT_EQ(norms.size(), 4u) << out;
+    for (size_t s = 0; s < 4; ++s) {
+      EXPECT_NEAR(got[s], one[s], 1e-5 * one[s]) << "step " << s + 1;
+      EXPECT_NEAR(norms[s], one_norms[s], 1e-5 * one_norms[s]) << "grad norm, step " << s + 1;
+    }
+  }
+  // Rank 0 at T = 2, by arithmetic: NF4 slices of half a byte a value and a bf16 absmax per 64 (padded to 16 bytes):
+  // q and o 64 x 128 and 128 x 64, gate, up and down 128 x 128; k and v (whole 64 x 128: not a whole group of 256
+  // blocks, fp32 as in one process) 32 x 128; the norms whole. The vocabulary's half of the embedding and head, the
+  // final norm. The adapters: q's and v's A whole, their B by rows (64 x 4, 32 x 4); down's A by columns (4 x 128), B
+  // whole.
+  auto slice = [](int64_t n) { return (n / 2 + 2 * (n / 64) + 15) / 16 * 16; };
+  const int64_t layer = 2 * slice(64 * 128) + 3 * slice(128 * 128) + 4 * (2 * 32 * 128 + 2 * 128);
+  const int64_t root = 4 * (2 * 64 * 128 + 128);
+  const int64_t adapters = 4 * (4 * 128 + 64 * 4 + 4 * 128 + 32 * 4 + 4 * 128 + 128 * 4);
+  const int64_t all = 2 * (layer + adapters) + root;
+  EXPECT_EQ(held_parameter_bytes(dir, "t2"), all);
+  EXPECT_EQ(estimated_parameter_bytes(dir, "t2"), all);
+  // The checkpoints of step 2 continue on another grid: T = 2's (its frozen slices, the head's vocabulary halves and
+  // k's and v's rows, at their places in the whole) in one process, and 2 x 2 ZeRO-3's (those slices' parts) at T = 2
+  // (each rank reads its slices from the whole).
+  for (const auto& [grid, ranks] : {std::pair{"t2", 1}, std::pair{"2x2", 2}}) {
+    SCOPED_TRACE(grid);
+    const auto name = std::string(grid) + "-on-" + std::to_string(ranks);
+    out = run_qlora(dir, ranks, name, std::string(ranks > 1 ? "--dist.tensor_parallel=2 " : "") + "--checkpoint.resume=" +
+                                          checkpoint_folder(dir.path(std::string(grid) + "/checkpoints"), 2), &code, 4);
+    ASSERT_EQ(code, 0) << out;
+    const auto resumed = losses(dir, name);
+    ASSERT_EQ(resumed.size(), 2u) << out;
+    EXPECT_NEAR(resumed[0], one[2], 1e-6 * one[2]);
+    EXPECT_NEAR(resumed[1], one[3], 1e-6 * one[3]);
+  }
+  // memtrain export --merged from the T = 2 run's final checkpoint: the base remade whole from init_from (its record
+  // checked), the whole adapters merged into it, as from one process's. 2e-4 of each tensor's largest value: AdamW
+  // divides by sqrt(v), so an adapter element whose gradient is zero but for rounding, summed in another order, moves
+  // by up to lr a step (measured: one of layer 1's q_proj lora_A elements by 4.5e-5, its merged weight 1.1e-4 off; every
+  // other tensor within 1e-6); a value on another NF4 code is off by a step between levels times its block's absmax.
+  std::map<std::string, std::map<std::string, torch::Tensor>> merged;
+  for (const char* run : {"one", "t2"}) {
+    out = test::shell(test::binary("memtrain") + " export --checkpoint " + dir.path(std::string(run) + "/checkpoints") +
+                      " --out " + dir.path(std::string(run) + "-merged") + " --merged 2>&1", &code);
+    ASSERT_EQ(code, 0) << out;
+    merged[run] = load_safetensors(dir.path(std::string(run) + "-merged/model.safetensors"));
+  }
+  ASSERT_EQ(merged["t2"].size(), merged["one"].size());
+  for (const auto& [name, w] : merged["one"]) {
+    ASSERT_TRUE(merged["t2"].count(name)) << name;
+    EXPECT_LT(test::relative_error(merged["t2"].at(name), w), 2e-4) << name;
+  }
+  // A quantization block the slices' runs do not hold whole is refused, named: blocks of 128 without double
+  // quantization make o_proj (128 x 128) eligible, and its columns at T = 2 run 64 values.
+  out = run_qlora(dir, 2, "block128", "--dist.tensor_parallel=2 --lora.double_quant=false --lora.quantize_block=128", &code, 4);
+  EXPECT_NE(code, 0) << out;
+  EXPECT_NE(out.find("o_proj.weight (16384 values) is quantized in blocks of 128 values (lora.quantize_block), but its "
+                     "slices are cut in runs of 64 values"), std::string::npos) << out;
 }
 
 TEST(Qlora, NeedsAFrozenBase) {

@@ -93,6 +93,52 @@ TEST(Nf4, WithoutDoubleQuantizationEachValueIsItsLevelTimesItsBlocksAbsmax) {
   EXPECT_EQ(nf4_dequantize(packed, f).to(torch::kFloat).sub(want.to(torch::kFloat)).abs().max().item<float>(), 0.0f);
 }
 
+// A tensor-parallel slice of an NF4 weight (lora.quantize_base = nf4 with dist.tensor_parallel): the whole weight is
+// quantized as one process quantizes it (double quantization over all its absmaxes), and the slice keeps its codes and its
+// blocks' absmaxes as that quantization dequantizes them. Its values are then the whole's at the slice's places, to the bit,
+// on every rank, for a row-parallel split (columns) and GPT's fused q, k, v split by rows; any byte range of it (a ZeRO-3
+// part) is those bytes of it. The same slice quantized on its own is not (its absmaxes' mean and groups differ).
+TEST(Nf4, ATensorParallelSliceHoldsTheWholeWeightsValuesAtItsPlaces) {
+  torch::manual_seed(5);
+  struct Case {
+    const char* name;
+    std::vector<int64_t> whole;
+    TensorSplit split;
+    int T;
+  };
+  const std::vector<Case> cases = {{"row-parallel, T = 2", {128, 256}, {.dim = 1, .chunks = 1, .whole = 256}, 2},
+                                   {"row-parallel, T = 4", {128, 256}, {.dim = 1, .chunks = 1, .whole = 256}, 4},
+                                   {"fused q, k, v, T = 2", {192, 256}, {.dim = 0, .chunks = 3, .whole = 192}, 2}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    // Values of several magnitudes, so that the blocks' absmaxes (and their int8 double quantization) differ.
+    const auto w = (torch::randn(c.whole) * torch::rand({c.whole[0], 1}) * 3).to(torch::kBFloat16);
+    const Nf4Options whole_options{.block = 64};
+    const auto whole_format = nf4_format(c.whole, torch::kBFloat16, whole_options);
+    ASSERT_TRUE(whole_format.double_quant);
+    const auto whole_values = nf4_dequantize(nf4_pack(w, whole_format), whole_format);
+    for (int r = 0; r < c.T; ++r) {
+      auto local = c.whole;
+      local[static_cast<size_t>(c.split.dim)] = split_size(c.split, r, c.T);
+      auto f = nf4_format(local, torch::kBFloat16, {.block = 64, .double_quant = false});
+      f.split = c.split, f.tp_rank = r, f.tp_size = c.T, f.whole_double_quant = true;
+      EXPECT_EQ(f.whole_shape(), c.whole);
+      const auto packed = nf4_pack(w, f);
+      const int64_t n = f.numel();
+      EXPECT_EQ(packed.numel(), (n / 2 + 2 * (n / 64) + 15) / 16 * 16);  // half a byte a value, a bf16 absmax per 64
+      const auto expected = slice_of_whole(c.split, local, r, c.T, whole_values, 0, n).view(local);
+      EXPECT_TRUE(torch::equal(nf4_dequantize(packed, f), expected)) << "rank " << r;
+      EXPECT_TRUE(torch::equal(nf4_dequantize_ops(packed, f), expected)) << "rank " << r << ", ATen path";
+      const int64_t a = n / 2 - 40, b = packed.numel() - 24;  // codes into scales
+      EXPECT_TRUE(torch::equal(nf4_pack_range(w, f, a, b), packed.slice(0, a, b))) << "rank " << r;
+      // Quantized on its own, the slice's values are another's.
+      const auto alone = nf4_format(local, torch::kBFloat16, {.block = 64, .scaler_block = 64});
+      const auto mine = slice_of_whole(c.split, local, r, c.T, w, 0, n).view(local);
+      EXPECT_FALSE(torch::equal(nf4_dequantize(nf4_pack(mine, alone), alone), expected)) << "rank " << r;
+    }
+  }
+}
+
 TEST(Nf4, TheLinearsGradientIsTheDequantizedWeightsAndTheWeightGetsNone) {
   torch::manual_seed(3);
   const auto w = torch::randn({128, 256}).to(torch::kBFloat16);

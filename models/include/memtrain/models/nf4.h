@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "memtrain/models/tensor_parallel.h"
+
 namespace memtrain {
 
 class Model;
@@ -44,7 +46,16 @@ struct Nf4Format {
   int64_t block = 64;
   int64_t scaler_block = 256;
   bool double_quant = true;
+  // A tensor-parallel slice (split.split()): `shape` is rank tp_rank's slice (of tp_size) of a weight quantized whole,
+  // with double quantization where whole_double_quant. The slice keeps its values' codes, and each of its blocks' absmax
+  // as the whole's quantization dequantizes it, in the dtype (double_quant is false: the slice's blocks are not whole
+  // groups of the whole's absmaxes, and its values are the whole's to the bit). nf4_pack(_range) take the whole values.
+  TensorSplit split;
+  int tp_rank = 0, tp_size = 1;
+  bool whole_double_quant = false;
 
+  bool is_slice() const { return split.split(); }
+  std::vector<int64_t> whole_shape() const;  // the weight's values whole (a slice's whole weight; else shape)
   int64_t numel() const;
   int64_t blocks() const { return numel() / block; }
   int64_t groups() const { return double_quant ? blocks() / scaler_block : 0; }
@@ -73,7 +84,8 @@ struct Nf4Parts {
 // `w` (contiguous, in its dtype, numel eligible) quantized as torchao's to_nf4(w, block, scaler_block). The codes of
 // bytes [code_begin, code_end) only (end -1: all): every absmax needs the whole weight, each code its own values only.
 Nf4Parts nf4_quantize(const torch::Tensor& w, const Nf4Options& options, int64_t code_begin = 0, int64_t code_end = -1);
-// One flat uint8 tensor holding the parts in the format's layout (on w's device).
+// One flat uint8 tensor holding the parts in the format's layout (on w's device). A slice's format: w is the whole
+// weight's values (whole_shape()), quantized whole; the slice's codes and block absmaxes are kept.
 torch::Tensor nf4_pack(const torch::Tensor& w, const Nf4Format& format);
 // Bytes [begin, end) of nf4_pack(w, format), quantizing only the codes among them (a ZeRO-3 rank's part).
 torch::Tensor nf4_pack_range(const torch::Tensor& w, const Nf4Format& format, int64_t begin, int64_t end);
@@ -100,7 +112,8 @@ struct Nf4Weight : torch::nn::Module {
 const Nf4Format* nf4_format_of(const torch::nn::Module& linear);
 
 // Every frozen torch::nn::Linear weight of `model` inside its blocks (not the output head; embeddings and norms are
-// not Linear) whose size is eligible becomes NF4: its `weight` turns into a packed uint8 tensor. With
+// not Linear) whose size is eligible becomes NF4 (a split model: whose whole size is, as a slice format; a ConfigError
+// when a slice's runs in the whole are not whole blocks): its `weight` turns into a packed uint8 tensor. With
 // `quantize_values`, from its current values (a model built whole); otherwise the packed tensor is given the same
 // kind of storage the weight had (none, for a model built from shapes: the trainer fills it, nf4_pack per weight).
 // Returns each quantized weight's name and format, in the model's order.
