@@ -74,6 +74,9 @@ def main():
         ("T = 1 (one process)", 1, [], 1),
         ("T = 2, no sequence parallelism", 2, ["--dist.sequence_parallel=off"], 2),
         ("T = 2, sequence parallelism", 2, ["--dist.sequence_parallel=on"], None),
+        # The fused head over the vocabulary's slices (chunks of 256 tokens: 4 per micro-batch), against PyTorch's
+        # loss_parallel, which forms each rank's (tokens, V / T) logits whole.
+        ("T = 2, no sequence parallelism, fused head", 2, ["--dist.sequence_parallel=off", "--memory.head=fused:256"], 2),
         ("T = 4, no sequence parallelism", 4, ["--dist.sequence_parallel=off"], 4),
         ("T = 4, sequence parallelism", 4, ["--dist.sequence_parallel=on"], None),
     ]
@@ -93,7 +96,9 @@ def main():
              "RowwiseParallel; embedding RowwiseParallel; head ColwiseParallel with `loss_parallel()`), torch's AdamW "
              "on its DTensors (its default on a CPU: neither fused nor foreach; memtrain's is ATen's fused AdamW). memtrain: "
              "`dist.tensor_parallel`, the plain head with its vocabulary-parallel "
-             f"cross-entropy. {a.rounds} rounds alternating the two, {STEPS} steps each; ms/step is the median of the "
+             "cross-entropy, or the fused head (`memory.head = fused:256`: 256 tokens' logits at a time, their log-sum-exp "
+             "reduced over the group chunk by chunk) where the row says so, against the same PyTorch T = 2 run."
+             f" {a.rounds} rounds alternating the two, {STEPS} steps each; ms/step is the median of the "
              f"rounds' medians after {WARMUP} warm-up steps, rank 0's. On 2 cores a second rank adds a core, not a "
              "second GPU, and T = 4 puts two ranks on each core: the T > 1 rows measure the split's overhead (collectives, "
              "smaller matrices), not a speed-up.",
