@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "memtrain/core/activation_model.h"
 #include "memtrain/core/cpu_memory.h"
 #include "memtrain/core/error.h"
 #include "memtrain/models/tensor_parallel.h"
@@ -70,7 +71,7 @@ torch::Tensor chunk_terms(torch::Tensor& logits, const torch::Tensor& target, co
   }
   auto terms = lse - picked;
   if (masked) terms = terms * keep;
-  if (gradient) {
+  if (gradient && V > 0) {  // (a slice may hold no rows of a tiny vocabulary)
     logits.scatter_add_(1, local, inside.defined() ? -inside.to(logits.scalar_type()) : torch::full_like(local, -1.0, logits.options()));
     if (masked) logits.mul_(keep);  // a row without a loss has no gradient
   }
@@ -153,13 +154,12 @@ torch::Tensor fused_linear_cross_entropy(const torch::Tensor& x, const torch::Te
                  weight.sizes());
   MEMTRAIN_CHECK(target.dim() == 1 && target.size(0) == x.size(0), Error,
                  "[loss] fused_linear_cross_entropy: target must be (N,) = (", x.size(0), "), got ", target.sizes());
-  if (chunk_rows <= 0) {
-    // Automatic: about 2^24 logits per chunk (64 MiB in fp32) on a CPU. A GPU's matmuls want long tiles: 2^27
-    // (512 MiB in fp32, a small share of a data-centre GPU), in multiples of 64 rows (tensor-core tiles).
-    const bool gpu = x.is_cuda();
-    chunk_rows = ((gpu ? int64_t{1} << 27 : int64_t{1} << 24)) / weight.size(0);
-    chunk_rows = gpu ? std::max<int64_t>(64, chunk_rows / 64 * 64) : std::max<int64_t>(1, chunk_rows);
-  }
+  // Automatic: about 2^24 logits per chunk (64 MiB in fp32) on a CPU. A GPU's matmuls want long tiles: 2^27
+  // (512 MiB in fp32, a small share of a data-centre GPU), in multiples of 64 rows (tensor-core tiles). A vocabulary
+  // slice's caller gives the rows (every rank of its group must cut the same chunks).
+  MEMTRAIN_CHECK(chunk_rows > 0 || !vocab.group, Error, "[loss] fused_linear_cross_entropy over a vocabulary slice needs "
+                 "its chunk rows (the same on every rank of the group)");
+  if (chunk_rows <= 0) chunk_rows = fused_head_chunk_rows(weight.size(0), x.is_cuda());
   // No grad mode: nothing would use the gradients that the autograd path forms in forward.
   // The mean over the rows; masked: the sum over the kept ones (the caller normalises).
   const double denominator = masked ? 1.0 : static_cast<double>(x.size(0));

@@ -20,6 +20,7 @@
 #include <optional>
 #include <sstream>
 
+#include "memtrain/core/activation_model.h"
 #include "memtrain/core/cpu_memory.h"
 #include "memtrain/core/error.h"
 #include "memtrain/core/files.h"
@@ -301,12 +302,16 @@ torch::Tensor Trainer::forward_loss(const Batch& batch, torch::Tensor* logits) {
   if (head_rows_ >= 0) {  // memory.head = fused: the loss chunk by chunk, the logits never whole
     auto [features, weight] = *model_->head_features(h);
     VocabSlice vocab;  // split T: this rank's vocabulary rows; the features entered into the split region (all tokens)
+    int64_t rows = head_rows_;
     if (tp_ && tp_->size() > 1) {
       features = tensor_parallel_enter(features, tp_.get());
       vocab = {.begin = model_->head_vocab_begin(), .group = tp_->group.get()};
+      // Each chunk is a collective: every rank cuts the same ones. Automatic rows from the largest slice's vocabulary
+      // (the split shape's, as the estimate counts them), not this rank's (an uneven split's last slice is shorter).
+      if (rows == 0) rows = fused_head_chunk_rows(model_->transformer_shape()->vocab, device_.is_cuda());
     }
     return fused_linear_cross_entropy(features.reshape({-1, features.size(-1)}), weight, batch.target.reshape({-1}),
-                                      head_rows_, masked, vocab);
+                                      rows, masked, vocab);
   }
   auto out = model_->head(h);
   if (logits) *logits = out;

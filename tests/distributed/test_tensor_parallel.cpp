@@ -666,5 +666,33 @@ TEST(TensorParallel, FusedHeadTrainsAsOneProcessAndKeepsNoLogits) {
   EXPECT_LT(peak.at("fused"), peak.at("plain") - 16.0) << "fused " << peak.at("fused") << " MiB, plain " << peak.at("plain");
 }
 
+// memory.head = fused with automatic chunks on an uneven vocabulary: 8193 rows split 4097 + 4096, where each rank's own
+// rows would give chunks of 2^24 / 4097 = 4095 and 4096 tokens, and a micro-batch of 8 x 512 = 4096 tokens two chunks
+// on rank 0 and one on rank 1 (collectives of other sizes: a hang or an error). Every rank sizes them by the largest
+// slice: one step of 2 ranks gives one process's loss (1e-5) and gradient norm (1e-4: 4096 tokens' softmax over 8193
+// classes summed in two halves and added over the group, in another order; measured 1.0e-5).
+TEST(TensorParallel, FusedHeadCutsTheSameChunksOnEveryRankOfAnUnevenVocabulary) {
+  test::TempDir dir;
+  auto run = [&](int T, const std::string& name) {
+    const std::string command =
+        (T > 1 ? "timeout 300 " + test::binary("memtrain-run") + " --standalone --nproc-per-node 2 -- " : std::string()) +
+        test::binary("memtrain") + " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
+        " --model.n_layer=1 --model.n_embd=32 --model.n_head=2 --model.block_size=512 --model.vocab_size=8193"
+        " --train.micro_batch=8 --train.steps=1 --train.eval_every=0 --log.every=1 --log.progress=lines"
+        " --checkpoint.save_final=false --memory.head=fused --dist.tensor_parallel=" + std::to_string(T) +
+        " --log.dir=" + dir.path() + " --log.name=" + name + " 2>&1";
+    int code = -1;
+    const auto out = test::shell(command, &code);
+    EXPECT_EQ(code, 0) << out;
+    const auto metrics = dir.path(name + "/metrics.jsonl");
+    return std::make_pair(test::metric_losses(metrics), test::metric_grad_norms(metrics));
+  };
+  const auto one = run(1, "one"), two = run(2, "t2");
+  ASSERT_EQ(one.first.size(), 1u);
+  ASSERT_EQ(two.first.size(), 1u);
+  EXPECT_NEAR(two.first[0], one.first[0], 1e-5 * one.first[0]);
+  EXPECT_NEAR(two.second[0], one.second[0], 1e-4 * one.second[0]);
+}
+
 }  // namespace
 }  // namespace memtrain
