@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <regex>
 #include <tuple>
 
@@ -114,19 +115,35 @@ std::vector<double> metric_numbers(const fs::path& metrics, const std::string& k
   return out;
 }
 
-// 4 steps of a small model on the Austen bytes: one process (ranks = 1) or `ranks` through memtrain-run, with
-// `micro` samples per micro-batch on each data-parallel rank and 2 micro-batches per step.
-GridRun train(const test::TempDir& dir, const std::string& name, int ranks, int micro, const std::string& extra) {
-  const std::string args = " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
-                           " --model.block_size=32 --train.steps=4 --train.warmup_steps=1 --train.eval_every=0"
-                           " --train.accum_steps=2 --log.every=1 --log.progress=lines --train.micro_batch=" +
-                           std::to_string(micro) + " --log.dir=" + dir.path() + " --log.name=" + name + " " + extra;
-  std::string command = test::binary("memtrain") + args;
+// memtrain on the Austen bytes (examples/configs/gpt_austen_cpu.ini, then `args`) as one process (ranks = 1) or `ranks`
+// through memtrain-run, logging into dir/name: its output, and its exit status in *code.
+std::string run_on_austen(const test::TempDir& dir, const std::string& name, int ranks, const std::string& args, int* code) {
+  std::string command = test::binary("memtrain") + " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
+                        " " + args + " --log.dir=" + dir.path() + " --log.name=" + name;
   if (ranks > 1)
     command = "timeout 300 " + test::binary("memtrain-run") + " --standalone --nproc-per-node " + std::to_string(ranks) +
               " -- " + command;
+  return test::shell(command + " 2>&1", code);
+}
+
+// A run's measured peak over the run (MiB) and its estimate's error (%), from the output's memory line.
+std::optional<std::pair<double, double>> peak_against_estimate(const std::string& out) {
+  std::smatch m;
+  if (!std::regex_search(out, m, std::regex(R"(memory: peak cpu over the run ([0-9.]+) (KiB|MiB|GiB) \(estimate [^,]*, ([-+][0-9.]+)%\))")))
+    return std::nullopt;
+  const double unit = m[2] == "KiB" ? 1.0 / 1024 : m[2] == "GiB" ? 1024.0 : 1.0;
+  return std::make_pair(std::stod(m[1]) * unit, std::stod(m[3]));
+}
+
+// 4 steps of a small model on the Austen bytes: one process (ranks = 1) or `ranks` through memtrain-run, with
+// `micro` samples per micro-batch on each data-parallel rank and 2 micro-batches per step.
+GridRun train(const test::TempDir& dir, const std::string& name, int ranks, int micro, const std::string& extra) {
   GridRun r;
-  r.output = test::shell(command + " 2>&1", &r.code);
+  r.output = run_on_austen(dir, name, ranks,
+                           "--model.block_size=32 --train.steps=4 --train.warmup_steps=1 --train.eval_every=0"
+                           " --train.accum_steps=2 --log.every=1 --log.progress=lines --train.micro_batch=" +
+                               std::to_string(micro) + " " + extra,
+                           &r.code);
   r.dir = fs::path(dir.path()) / name;
   r.losses = metric_numbers(r.dir / "metrics.jsonl", "loss");
   r.grad_norms = metric_numbers(r.dir / "metrics.jsonl", "grad_norm");
@@ -479,25 +496,23 @@ TEST(TensorParallel, EachRankHoldsItsSliceAndTheEstimateFollowsT) {
     for (const char* sp : {"on", "off"}) {
       if (T == 1 && std::string(sp) == "off") continue;
       const auto name = "t" + std::to_string(T) + sp;
-      const std::string command =
-          (T > 1 ? "timeout 300 " + test::binary("memtrain-run") + " --standalone --nproc-per-node " + std::to_string(T) + " -- " : std::string()) +
-          test::binary("memtrain") + " --config " + test::source("examples/configs/gpt_austen_cpu.ini") + " " + model +
-          " --train.micro_batch=8 --train.steps=2 --train.eval_every=0 --log.every=1 --log.progress=lines"
-          " --checkpoint.save_final=false --dist.tensor_parallel=" + std::to_string(T) + " --dist.sequence_parallel=" + sp +
-          " --log.dir=" + dir.path() + " --log.name=" + name + " 2>&1";
       int code = -1;
-      const auto out = test::shell(command, &code);
+      const auto out = run_on_austen(dir, name, T,
+                                     model + " --train.micro_batch=8 --train.steps=2 --train.eval_every=0 --log.every=1"
+                                             " --log.progress=lines --checkpoint.save_final=false --dist.tensor_parallel=" +
+                                         std::to_string(T) + " --dist.sequence_parallel=" + sp,
+                                     &code);
       ASSERT_EQ(code, 0) << out;
       // Split per block: q, k, v (3 C^2 + 3 C), the attention's projection (C^2), the MLP's (4 C^2 + 4 C, 4 C^2);
       // whole: two LayerNorms (4 C) and the two row-parallel biases (2 C). Outside the blocks: the vocabulary's
       // rows (V / T), the position embedding and the final LayerNorm, whole. fp32.
       const int64_t per_rank = 4 * (L * ((12 * C * C + 7 * C) / T + 6 * C) + V / T * C + ctx * C + 2 * C);
       for (int r = 0; r < T; ++r) EXPECT_EQ(resident(fs::path(dir.path()) / name, r), per_rank) << name << " rank " << r;
-      std::smatch m;
       // The run's peak (the second step's: the first has no optimizer state before its update) against the estimate.
-      ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(memory: peak cpu over the run [^(]*\(estimate [^,]*, ([-+][0-9.]+)%\))"))) << out;
+      const auto peak = peak_against_estimate(out);
+      ASSERT_TRUE(peak) << out;
       // Measured: T = 1 +2.2%; T = 2 -0.1% (sequence parallel), +0.7% (not); T = 4 -2.2%, -0.8%.
-      EXPECT_LT(std::abs(std::stod(m[1])), 10.0) << name << ": the estimate is " << m[1] << "% off the measured peak\n" << out;
+      EXPECT_LT(std::abs(peak->second), 10.0) << name << ": the estimate is " << peak->second << "% off the measured peak\n" << out;
     }
   }
 }
@@ -584,7 +599,7 @@ TEST(TensorParallel, LossesAndGradientNormsEqualPyTorchsParallelizeModule) {
   for (const char* sp : {"on", "off"}) {
     const auto name = std::string("sp_") + sp;
     const std::string command =
-        test::binary("memtrain-run") + " --standalone --nproc-per-node 2 -- " + test::binary("memtrain") +
+        "timeout 300 " + test::binary("memtrain-run") + " --standalone --nproc-per-node 2 -- " + test::binary("memtrain") +
         " --model.init_from=" + test::fixture("hf/llama_gqa") + " --data.dataset=chat --data.path=" +
         test::fixture("chat/llama_gqa") + " --model.block_size=16 --train.micro_batch=" + std::to_string(kChatRows) +
         " --train.steps=3 --train.optimizer=sgd --train.momentum=0 --train.weight_decay=0 --train.lr=0.5"
@@ -646,21 +661,18 @@ TEST(TensorParallel, FusedHeadTrainsAsOneProcessAndKeepsNoLogits) {
   std::map<std::string, double> peak;
   for (const char* head : {"plain", "fused:128"}) {
     const std::string name = head == std::string("plain") ? "plain" : "fused";
-    const std::string command =
-        "timeout 300 " + test::binary("memtrain-run") + " --standalone --nproc-per-node 2 -- " + test::binary("memtrain") +
-        " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
-        " --model.n_layer=2 --model.n_embd=64 --model.n_head=4 --model.block_size=128 --model.vocab_size=8192"
-        " --train.micro_batch=8 --train.steps=2 --train.eval_every=0 --log.every=1 --log.progress=lines"
-        " --checkpoint.save_final=false --dist.tensor_parallel=2 --memory.head=" + head + " --log.dir=" + dir.path() +
-        " --log.name=" + name + " 2>&1";
     int code = -1;
-    const auto out = test::shell(command, &code);
+    const auto out = run_on_austen(dir, name, 2,
+                                   "--model.n_layer=2 --model.n_embd=64 --model.n_head=4 --model.block_size=128"
+                                   " --model.vocab_size=8192 --train.micro_batch=8 --train.steps=2 --train.eval_every=0"
+                                   " --log.every=1 --log.progress=lines --checkpoint.save_final=false"
+                                   " --dist.tensor_parallel=2 --memory.head=" + std::string(head),
+                                   &code);
     ASSERT_EQ(code, 0) << out;
-    std::smatch m;
-    ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(memory: peak cpu over the run ([0-9.]+) (KiB|MiB|GiB) \(estimate [^,]*, ([-+][0-9.]+)%\))")))
-        << out;
-    peak[name] = std::stod(m[1]) * (m[2] == "KiB" ? 1.0 / 1024 : m[2] == "GiB" ? 1024.0 : 1.0);  // MiB
-    EXPECT_LT(std::abs(std::stod(m[3])), 10.0) << name << ": the estimate is " << m[3] << "% off the measured peak\n" << out;
+    const auto measured = peak_against_estimate(out);
+    ASSERT_TRUE(measured) << out;
+    peak[name] = measured->first;  // MiB
+    EXPECT_LT(std::abs(measured->second), 10.0) << name << ": the estimate is " << measured->second << "% off the measured peak\n" << out;
   }
   // The plain head's logits at T = 2: 1024 tokens x 4096 rows in fp32 (16 MiB), several times over.
   EXPECT_LT(peak.at("fused"), peak.at("plain") - 16.0) << "fused " << peak.at("fused") << " MiB, plain " << peak.at("plain");
@@ -674,15 +686,13 @@ TEST(TensorParallel, FusedHeadTrainsAsOneProcessAndKeepsNoLogits) {
 TEST(TensorParallel, FusedHeadCutsTheSameChunksOnEveryRankOfAnUnevenVocabulary) {
   test::TempDir dir;
   auto run = [&](int T, const std::string& name) {
-    const std::string command =
-        (T > 1 ? "timeout 300 " + test::binary("memtrain-run") + " --standalone --nproc-per-node 2 -- " : std::string()) +
-        test::binary("memtrain") + " --config " + test::source("examples/configs/gpt_austen_cpu.ini") +
-        " --model.n_layer=1 --model.n_embd=32 --model.n_head=2 --model.block_size=512 --model.vocab_size=8193"
-        " --train.micro_batch=8 --train.steps=1 --train.eval_every=0 --log.every=1 --log.progress=lines"
-        " --checkpoint.save_final=false --memory.head=fused --dist.tensor_parallel=" + std::to_string(T) +
-        " --log.dir=" + dir.path() + " --log.name=" + name + " 2>&1";
     int code = -1;
-    const auto out = test::shell(command, &code);
+    const auto out = run_on_austen(dir, name, T,
+                                   "--model.n_layer=1 --model.n_embd=32 --model.n_head=2 --model.block_size=512"
+                                   " --model.vocab_size=8193 --train.micro_batch=8 --train.steps=1 --train.eval_every=0"
+                                   " --log.every=1 --log.progress=lines --checkpoint.save_final=false --memory.head=fused"
+                                   " --dist.tensor_parallel=" + std::to_string(T),
+                                   &code);
     EXPECT_EQ(code, 0) << out;
     const auto metrics = dir.path(name + "/metrics.jsonl");
     return std::make_pair(test::metric_losses(metrics), test::metric_grad_norms(metrics));
