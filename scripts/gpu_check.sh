@@ -11,6 +11,13 @@
 # CUDA tests (a shorter window: GPU_CHECK_SECONDS=330 GPU_CHECK_AFTER_CUDA=100).
 # GPU_CHECK_MODE=bench (a second window): after the build, scripts/bench_gpu.sh (the long technique
 # benchmark, the memory_viz snapshot and the offload size sweep) instead of the tests and the matrix.
+# GPU_CHECK_MODE=speed (issues 36 and 40): after the build, Llama-3.1-8B trained 4 steps on the one GPU
+# (examples/configs/llama3_8b_1xh100.ini: its setup and step peaks against the estimate), the CUDA tests of the speed levers' numerics (ATen's fused
+# rms_norm against transformers' formula, the profiler's kernel table), then scripts/bench/gpu_speed.py: GPT-2 124M
+# and a Llama-3.2-1B shape against PyTorch eager and torch.compile, one step profiled kernel by kernel, and memtrain's
+# levers each alone ($OUT/gpu_speed.md, gpt_profile.md, llama_profile.md; rewritten after each row, so a window cut
+# short keeps what ran). About 5 minutes after the build; GPU_SPEED_SKIP (llama8b, gpt, compile, llama, levers,
+# comma-separated) leaves parts out, e.g. on a second call to the warm machine after a first was cut short.
 # Idempotent: re-running reuses build-gpu.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -93,7 +100,12 @@ sys.exit(0 if ok else 1)'; then
   # The reference fixtures: make_fixtures.py's from this machine's own PyTorch (the bf16 and vectorized results a
   # test compares bit for bit depend on the CPU's instructions), the carried ones (.gpu/fixtures, written by the CPU
   # machine's venv) for the rest and for whatever it fails to write here.
-  stage fixtures 150 bash -c write_fixtures_here
+  # The speed mode's two CUDA tests compare with no fixture: the carried ones stand (make_fixtures.py's minute saved).
+  if [ "${GPU_CHECK_MODE:-check}" = speed ]; then
+    [ -f "$F/.stamp" ] || stage fixtures 60 bash -c 'mkdir -p "$F" && cp -r "$P/fixtures/." "$F/" && touch "$F/.stamp"'
+  else
+    stage fixtures 150 bash -c write_fixtures_here
+  fi
 
   # CMAKE_POLICY_VERSION_MINIMUM only matters with CMake 4 (the image's CMake may be that new).
   stage configure 60 cmake -S . -B "$B" -G "$GEN" -DCMAKE_BUILD_TYPE=Release \
@@ -105,8 +117,25 @@ sys.exit(0 if ok else 1)'; then
 
   # Keep going past a failed target: whatever else builds can still be tested.
   KEEP=(-k 0); [ "$GEN" = Ninja ] || KEEP=(-k)
-  stage build "$(left 90)" cmake --build "$B" -j16 -- "${KEEP[@]}"
+  TARGETS=(); [ "${GPU_CHECK_MODE:-check}" = speed ] && TARGETS=(--target memtrain_bin memtrain_tests)
+  stage build "$(left 90)" cmake --build "$B" -j16 "${TARGETS[@]}" -- "${KEEP[@]}"
 
+  if [ "${GPU_CHECK_MODE:-check}" = speed ]; then
+    OMP_NUM_THREADS=4 stage ctest-speed 120 ctest --test-dir "$B" --output-on-failure -R 'CudaRmsNorm|CudaStepListsItsKernels' \
+      --output-log "$OUT/ctest_speed.log"
+    # Issue 36's proof first (about a minute): Llama-3.1-8B built from its shapes on one GPU, 4 steps; the setup line
+    # (time, host peak, device) and each step's peak against the run's own estimate.
+    [[ ",${GPU_SPEED_SKIP:-}," == *,llama8b,* ]] || stage llama8b 240 bash -c "'$B/memtrain' --config examples/configs/llama3_8b_1xh100.ini --train.steps=4 \
+      --train.warmup_steps=1 --train.eval_every=0 --train.eval_batches=1 --log.every=1 --log.progress=lines \
+      --checkpoint.save_final=false --log.dir=/tmp/memtrain-runs --log.name=llama8b --log.overwrite=true 2>&1 \
+      | tee '$OUT/llama8b_1gpu.log'; exit \${PIPESTATUS[0]}"
+    cp /tmp/memtrain-runs/llama8b/summary.json "$OUT/llama8b_1gpu_summary.json" 2>/dev/null
+    stage speed "$(left 5)" "$PY" scripts/bench/gpu_speed.py --build "$B" --device cuda --python "$PY" --out "$OUT/gpu_speed.md" \
+      --skip "${GPU_SPEED_SKIP:-}"
+    echo; echo "=== summary"; cat "$OUT/status.txt"
+    ! grep -qv ' rc=0 ' "$OUT/status.txt"
+    return
+  fi
   if [ "${GPU_CHECK_MODE:-check}" = bench ]; then
     MEMTRAIN_BUILD="$B" stage bench "$(left 5)" bash scripts/bench_gpu.sh
     echo; echo "=== summary"; cat "$OUT/status.txt"

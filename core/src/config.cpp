@@ -362,6 +362,11 @@ std::vector<Entry> entries(Config& c) {
       entry("log.trace_blocks", &l.trace_blocks,
             "the trace also holds a span per block, forward and backward (a hook on each block's output; with "
             "dist.zero_stage = 3 the spans include the block's gather)"),
+      entry("log.profile_step", &l.profile_step,
+            "record this step with the Kineto profiler that ships in LibTorch: profile.json (profile.rank<N>.json with "
+            "several ranks), a Chrome trace of its ATen ops and CUDA kernels, and profile.md, a table of its time by "
+            "kernel (CUDA; by op's self time on a CPU) and by kind (GEMM, attention, loss, normalization, ...); 0 = none",
+            at_least<int64_t>(0)),
       entry("log.peak_tflops", &l.peak_tflops,
             "the device's peak TFLOP/s for MFU; 0 = from memtrain's table of known GPUs by name and precision "
             "(on CPU: MFU is not reported unless this is set)", at_least<double>(0, ">= 0 (0 = from the table of known GPUs)")),

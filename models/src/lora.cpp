@@ -115,8 +115,7 @@ torch::Tensor linear(const torch::Tensor& x, torch::nn::LinearImpl& m) {
 torch::Tensor row_parallel_linear(const torch::Tensor& y, torch::nn::LinearImpl& m, const TensorParallel* tp) {
   if (!tp || tp->size() == 1) return linear(y, m);
   const auto* nf4 = nf4_format_of(m);  // an NF4 slice: this rank's columns dequantized inside the partial product
-  auto out = nf4 ? tensor_parallel_exit(nf4_linear(y, m.weight, *nf4), tp) : memtrain::row_parallel_linear(y, m.weight, m.bias, tp);
-  if (nf4 && m.bias.defined()) out = out + tensor_parallel_shared(m.bias, tp);
+  auto out = row_parallel_output(nf4 ? nf4_linear(y, m.weight, *nf4) : at::linear(y, m.weight), m.bias, tp);
   const auto* s = adapter_of(m);
   if (!s) return out;
   const auto params = m.named_parameters(/*recurse=*/false);

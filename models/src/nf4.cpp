@@ -313,7 +313,7 @@ std::vector<std::pair<std::string, Nf4Format>> quantize_frozen_linears(Model& mo
                      " values (lora.quantize_block), but its slices are cut in runs of ", runs, " values of the whole, so a "
                      "slice's blocks would not be the whole weight's; set lora.quantize_block to an even divisor of ", runs,
                      " or a smaller dist.tensor_parallel");
-      module->format = nf4_format(w.sizes().vec(), torch::kBFloat16, {.block = options.block, .double_quant = false});
+      module->format = nf4_format(w.sizes().vec(), torch::kBFloat16, nf4_slice_options(options));
       module->format.split = split, module->format.tp_rank = tp->rank(), module->format.tp_size = tp->size();
       module->format.whole_double_quant = options.double_quant;
     } else {

@@ -235,9 +235,8 @@ torch::Tensor tensor_parallel_local_tokens(const torch::Tensor& x, const TensorP
   return x.narrow(1, tp->rank() * (T / n), T / n);
 }
 
-torch::Tensor row_parallel_linear(const torch::Tensor& y, const torch::Tensor& weight, const torch::Tensor& bias,
-                                  const TensorParallel* tp) {
-  auto out = tensor_parallel_exit(at::linear(y, weight), tp);
+torch::Tensor row_parallel_output(const torch::Tensor& partial, const torch::Tensor& bias, const TensorParallel* tp) {
+  auto out = tensor_parallel_exit(partial, tp);
   return bias.defined() ? out + tensor_parallel_shared(bias, tp) : out;
 }
 

@@ -149,7 +149,7 @@ EstimateInputs model_state_inputs(const Config& config, int world) {
     int64_t frozen_block = block_all;
     if (config.lora.quantize_base == "nf4") {
       const auto nf4 = nf4_options(config.lora);
-      const auto slice = config.dist.tensor_parallel > 1 ? Nf4Options{.block = nf4.block, .double_quant = false} : nf4;
+      const auto slice = config.dist.tensor_parallel > 1 ? nf4_slice_options(nf4) : nf4;
       for (int64_t i = 0; i < shapes.block_linears; ++i) {
         const int64_t n = block[static_cast<size_t>(i)];
         if (!nf4_eligible(whole.block[static_cast<size_t>(i)], nf4)) continue;

@@ -69,6 +69,7 @@ ActivationSettings activation_settings(const Config& config, bool cuda, bool kee
   s.policy.offload = config.memory.offload;
   s.head_rows = parse_head_rows(config.memory.head);
   s.keep_grads = keep_grads;
+  s.accumulates = keep_grads && config.train.accum_steps > 1;
   s.cuda = cuda;
   if (config.lora.rank > 0)
     s.lora = {.rank = config.lora.rank, .dropout = config.lora.dropout, .targets = lora_targets(config.lora)};

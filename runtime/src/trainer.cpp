@@ -9,6 +9,7 @@
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <torch/csrc/cuda/memory_snapshot.h>
+#include <torch/cuda.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -20,7 +21,6 @@
 #include <optional>
 #include <sstream>
 
-#include "memtrain/core/activation_model.h"
 #include "memtrain/core/cpu_memory.h"
 #include "memtrain/core/error.h"
 #include "memtrain/core/files.h"
@@ -31,6 +31,7 @@
 #include "memtrain/runtime/factories.h"
 #include "memtrain/runtime/fused_loss.h"
 #include "memtrain/runtime/run_report.h"
+#include "memtrain/runtime/step_profile.h"
 #include "gradient_hooks.h"
 #include "step_flags.h"
 #include "stop_signals.h"
@@ -302,16 +303,12 @@ torch::Tensor Trainer::forward_loss(const Batch& batch, torch::Tensor* logits) {
   if (head_rows_ >= 0) {  // memory.head = fused: the loss chunk by chunk, the logits never whole
     auto [features, weight] = *model_->head_features(h);
     VocabSlice vocab;  // split T: this rank's vocabulary rows; the features entered into the split region (all tokens)
-    int64_t rows = head_rows_;
     if (tp_ && tp_->size() > 1) {
       features = tensor_parallel_enter(features, tp_.get());
       vocab = {.begin = model_->head_vocab_begin(), .group = tp_->group.get()};
-      // Each chunk is a collective: every rank cuts the same ones. Automatic rows from the largest slice's vocabulary
-      // (the split shape's, as the estimate counts them), not this rank's (an uneven split's last slice is shorter).
-      if (rows == 0) rows = fused_head_chunk_rows(model_->transformer_shape()->vocab, device_.is_cuda());
     }
     return fused_linear_cross_entropy(features.reshape({-1, features.size(-1)}), weight, batch.target.reshape({-1}),
-                                      rows, masked, vocab);
+                                      head_rows_, masked, vocab);
   }
   auto out = model_->head(h);
   if (logits) *logits = out;
@@ -787,6 +784,20 @@ void Trainer::write_memory_snapshot() {
               << "trace_plot " << path << " -o memory_viz.html)\n";
 }
 
+StepResult Trainer::profiled_step() {
+  const auto begin = std::chrono::steady_clock::now();
+  StepProfiler profiler(device_.is_cuda());
+  const auto r = run_step(/*read_flags_now=*/true);
+  if (device_.is_cuda()) torch::cuda::synchronize();
+  const auto wall = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - begin).count();
+  const auto stem = (fs::path(run_dir_) / (world_.world_size > 1 ? "profile.rank" + std::to_string(world_.rank) : "profile")).string();
+  auto table = profiler.stop(stem + ".json", wall);
+  table.step = step_;
+  write_file_atomically(stem + ".md", table.markdown());
+  if (world_.is_main()) std::cout << "profile:    step " << step_ << ", " << table.one_line() << " (" << stem << ".md)\n";
+  return r;
+}
+
 void Trainer::fit() {
   const auto& t = config_.train;
   const auto& ck = config_.checkpoint;
@@ -808,7 +819,7 @@ void Trainer::fit() {
     const int64_t n = step_ + 1;
     const bool read_now = n == 1 || n == t.steps || n % lg.every == 0 || (t.eval_every > 0 && n % t.eval_every == 0) ||
                           (ck.every > 0 && n % ck.every == 0);
-    const auto r = run_step(read_now);
+    const auto r = n == lg.profile_step ? profiled_step() : run_step(read_now);
     // memory.budget_mib: the plan against the first steady step's peak (the optimizer state exists from the
     // first step on); several ranks decide on their mean peak, so that they change together.
     if (!plan_candidates_.empty() && step_ == first + 2) correct_plan(static_cast<int64_t>(agreement().mean(static_cast<double>(last_peak()))));

@@ -293,12 +293,12 @@ void Trainer::add_plan_candidates(const PlanKnobs& knobs, const std::string& pol
           candidate_train.accum_steps = global / mb, candidate_dist.zero_stage = stage;
           candidate_dist.offload_optimizer = offload ? "cpu" : "none";
           const double reduced = reduced_part_bytes_per_element(candidate_train, candidate_dist, world_.world_size, device_.is_cuda());
-          if (closed) in.probe = closed_form_probe(!sharded, mb, candidate_policy, parse_head_rows(head), reduced);
+          if (closed) in.probe = closed_form_probe(!sharded, mb, candidate_policy, parse_head_rows(head), reduced, global / mb);
           // The later micro-batches of one process find the gradients resident; what their backward adds is
           // taken as the first micro-batch's (gradients born included): an over-estimate by at most the
           // gradient bytes, which spares a second probe per setting. (A one-process offload candidate drops
           // its gradients per bucket: the kept-gradient probe over-estimates it the same way.)
-          if (!sharded) in.probe_dropped = closed ? closed_form_probe(false, mb, candidate_policy, parse_head_rows(head), reduced) : pr;
+          if (!sharded) in.probe_dropped = closed ? closed_form_probe(false, mb, candidate_policy, parse_head_rows(head), reduced, global / mb) : pr;
           PlanCandidate c{.micro_batch = mb, .accum_steps = global / mb, .recompute = policy, .head = head, .stage = stage,
                           .offload = offload, .optimizer = optimizers[o],
                           .lowbit_rank = optimizers[o].empty() ? 0 : optimizers[o] == "adamw8bit" ? 1 : 2,
@@ -364,7 +364,7 @@ std::vector<ActivationProbe> Trainer::probe_settings(const std::vector<std::pair
   auto use = [&](const std::string& policy, const std::string& head) {
     policy_ = RecomputePolicy::parse(policy);
     policy_.offload = config_.memory.offload;
-    head_rows_ = parse_head_rows(head);
+    head_rows_ = head_rows_of(head);
   };
   // The times are each setting's fastest of kRounds, taken in rounds over all settings: a machine busy for a
   // while slows one round of every setting rather than every round of one.
@@ -407,7 +407,7 @@ void Trainer::correct_plan(int64_t measured_peak) {
   data_->set_accum_steps(config_.train.accum_steps);
   policy_ = RecomputePolicy::parse(chosen.recompute);
   policy_.offload = config_.memory.offload;
-  head_rows_ = parse_head_rows(chosen.head);
+  head_rows_ = head_rows_of(chosen.head);
 }
 
 EstimateInputs Trainer::estimate_inputs(int world, const std::string& optimizer) const {
@@ -499,14 +499,17 @@ bool Trainer::closed_form_applies() const {
 
 ActivationProbe Trainer::closed_form_probe(bool keep_grads, int64_t micro_batch) const {
   return closed_form_probe(keep_grads, micro_batch, policy_, head_rows_,
-                           reduced_part_bytes_per_element(config_.train, config_.dist, world_.world_size, device_.is_cuda()));
+                           reduced_part_bytes_per_element(config_.train, config_.dist, world_.world_size, device_.is_cuda()),
+                           config_.train.accum_steps);
 }
 
 ActivationProbe Trainer::closed_form_probe(bool keep_grads, int64_t micro_batch, const RecomputePolicy& policy,
-                                           int64_t head_rows, double reduced_bytes_per_element) const {
-  // The config's precision, parameter dtype and LoRA; the policy (a resolved budget), head and reduced parts asked for.
+                                           int64_t head_rows, double reduced_bytes_per_element, int64_t accum_steps) const {
+  // The config's precision, parameter dtype and LoRA; the policy (a resolved budget), head, reduced parts and
+  // accumulation asked for.
   auto s = activation_settings(config_, device_.is_cuda(), keep_grads, micro_batch, world_.world_size);
   s.policy = policy, s.head_rows = head_rows, s.reduced_bytes_per_element = reduced_bytes_per_element;
+  s.accumulates = keep_grads && accum_steps > 1;
   return as_probe(transformer_activations(*model_->transformer_shape(), s), micro_batch, keep_grads);
 }
 

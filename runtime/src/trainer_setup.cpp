@@ -9,6 +9,7 @@
 #include <map>
 #include <set>
 
+#include "memtrain/core/activation_model.h"
 #include "memtrain/core/cpu_memory.h"
 #include "memtrain/core/error.h"
 #include "memtrain/runtime/device.h"
@@ -315,9 +316,17 @@ void Trainer::setup_recompute_and_head() {
                    "[config] memory.recompute = ", policy_.part, ": this model's blocks have no '", policy_.part,
                    "' part (selective checkpointing needs a transformer; use all or every:K)");
   }
-  head_rows_ = parse_head_rows(config_.memory.head);
-  MEMTRAIN_CHECK(head_rows_ < 0 || model_->has_linear_head(), ConfigError,
+  MEMTRAIN_CHECK(parse_head_rows(config_.memory.head) < 0 || model_->has_linear_head(), ConfigError,
                  "[config] memory.head = fused needs a model whose head is one linear map (gpt); this model's is not");
+  head_rows_ = head_rows_of(config_.memory.head);
+}
+
+int64_t Trainer::head_rows_of(const std::string& head) const {
+  const int64_t rows = parse_head_rows(head);
+  // Split T: each chunk is a collective, so every rank cuts the same ones: automatic rows from the largest slice's
+  // vocabulary (the split shape's, as the estimate counts them), not this rank's (an uneven split's last is shorter).
+  if (rows == 0 && tp_ && tp_->size() > 1) return fused_head_chunk_rows(model_->transformer_shape()->vocab, device_.is_cuda());
+  return rows;
 }
 
 // Low-bit optimizer state (adamw8bit / adamw4bit) of a tensor-parallel slice is quantized in blocks cut from the

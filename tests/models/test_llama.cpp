@@ -2,6 +2,7 @@
 // techniques (recompute, the fused head, accumulation, ZeRO-3 on several processes) giving the same training.
 // Its numbers against transformers are in test_hugging_face.cpp.
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 #include <filesystem>
 #include <fstream>
@@ -88,6 +89,41 @@ TEST(Llama, EveryMemoryTechniqueTrainsTheSame) {
     set(c);
     const auto got = losses(c);
     for (size_t s = 0; s < got.size(); ++s) EXPECT_NEAR(got[s], plain[s], 2e-5 * plain[s]) << "step " << s + 1;
+  }
+}
+
+TEST(Llama, CudaRmsNormIsTransformersFormulaForwardAndBackward) {
+  // On CUDA the norm is ATen's fused rms_norm; transformers' LlamaRMSNorm (normalised in fp32, cast to the input's
+  // dtype, then scaled) computed here op by op on the CPU is the reference, in fp32 and bf16 (the residual stream's
+  // dtype with autocast and with bf16 parameters).
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  torch::manual_seed(0);
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    RMSNorm norm(512, 1e-5);
+    norm->to(torch::kCUDA, dtype);
+    torch::NoGradGuard no_grad;
+    norm->weight.uniform_(0.5, 1.5);
+    auto x = torch::randn({4, 64, 512}).to(dtype).mul_(3);
+    const auto g = torch::randn({4, 64, 512}).to(dtype);
+    torch::Tensor y, dx, dw;
+    {
+      at::AutoGradMode grad(true);
+      auto xc = x.cuda().requires_grad_();
+      y = norm(xc);
+      y.backward(g.cuda());
+      dx = xc.grad().cpu(), dw = norm->weight.grad().cpu(), y = y.detach().cpu();
+    }
+    at::AutoGradMode grad(true);
+    auto xr = x.clone().requires_grad_();
+    auto w = norm->weight.detach().cpu().requires_grad_();
+    const auto x32 = xr.to(torch::kFloat);
+    const auto ref = w * (x32 * torch::rsqrt(x32.pow(2).mean(-1, true) + 1e-5)).to(dtype);
+    ref.backward(g);
+    const double tol = dtype == torch::kFloat ? 1e-5 : 2e-2;  // bf16: one rounding apart at most
+    EXPECT_TRUE(torch::allclose(y.to(torch::kFloat), ref.detach().to(torch::kFloat), tol, tol));
+    EXPECT_TRUE(torch::allclose(dx.to(torch::kFloat), xr.grad().to(torch::kFloat), tol, tol));
+    EXPECT_TRUE(torch::allclose(dw.to(torch::kFloat), w.grad().to(torch::kFloat), tol, 64 * tol));  // summed over 256 rows
   }
 }
 

@@ -72,6 +72,9 @@ struct ActivationSettings {
   int64_t head_rows = -1;      // memory.head: -1 plain, 0 fused with automatic chunks, > 0 fused with these rows
   bool keep_grads = true;      // one process: each gradient stays from its birth in backward (several ranks
                                // reduce them into buckets, counted apart)
+  // With keep_grads: train.accum_steps > 1, so a later micro-batch's backward adds into gradients already held (a tied
+  // head's own gradient and the embedding's are summed beside the held one: a fourth V x h tensor at the backward's end).
+  bool accumulates = false;
   bool cuda = false;           // CUDA's attention and dropout kernels, and the fused head's GPU chunks
   LoraShape lora{};            // adapters on a frozen base: frozen linears keep no input, frozen norms less
   // ZeRO 2-3: the bytes a rank keeps per trained element once that element's bucket is reduced (its part of the

@@ -177,6 +177,7 @@ struct LogConfig {
   bool overwrite = false;        // start over in a run folder that holds another run (its checkpoints are deleted)
   bool trace = true;             // trace.json: a Chrome / Perfetto trace of each step's phases and memory
   bool trace_blocks = false;     // trace.json also holds a span per block, forward and backward
+  int64_t profile_step = 0;      // this step is recorded by LibTorch's Kineto profiler (profile.json, profile.md); 0 = none
 };
 
 struct CheckpointConfig {

@@ -37,6 +37,12 @@ struct Nf4Options {
   bool double_quant = true;    // lora.double_quant: absmaxes in int8 + a factor per group + the mean
 };
 
+// How a tensor-parallel slice of a weight quantized whole with `whole` is stored (Nf4Format::split): the whole's blocks,
+// each block's absmax kept dequantized (no double quantization of its own).
+inline Nf4Options nf4_slice_options(const Nf4Options& whole) {
+  return {.block = whole.block, .scaler_block = whole.scaler_block, .double_quant = false};
+}
+
 // How one weight is stored: its logical shape and dtype (the dequantized values'), and the byte layout of its
 // packed tensor: [codes: numel / 2][scales: blocks x (1 byte, or the dtype's size without double quantization)]
 // [factors: groups x dtype][mean: dtype], padded to a multiple of 16 bytes.

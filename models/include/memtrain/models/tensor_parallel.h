@@ -112,10 +112,9 @@ torch::Tensor tensor_parallel_summed_gradient(const torch::Tensor& p, const Tens
 // The tokens of this rank (sequence parallel): x.narrow(1, rank t, t); else x.
 torch::Tensor tensor_parallel_local_tokens(const torch::Tensor& x, const TensorParallel* tp);
 
-// A row-parallel linear map: y (..., in / T) times this rank's columns of the weight (out, in / T), the partial products
-// summed over the group (tensor_parallel_exit), then the whole bias (a shared parameter) if defined.
-torch::Tensor row_parallel_linear(const torch::Tensor& y, const torch::Tensor& weight, const torch::Tensor& bias,
-                                  const TensorParallel* tp);
+// A row-parallel linear map's end: this rank's partial product (y (..., in / T) times its columns of the weight, however
+// the weight is stored) summed over the group (tensor_parallel_exit), then the whole bias (a shared parameter) if defined.
+torch::Tensor row_parallel_output(const torch::Tensor& partial, const torch::Tensor& bias, const TensorParallel* tp);
 
 // Where LoRA's adapter of a split linear map sits (`weight`: the map's weight's split): lora_A (rank, in) splits as a
 // row-parallel weight's input features, lora_B (out, rank) as a column-parallel weight's output features (a fused

@@ -185,6 +185,7 @@ class Trainer {
   void setup_outputs();                                          // 11
 
   StepResult run_step(bool read_flags_now);  // step(), or fit()'s with the read deferred where it may be
+  StepResult profiled_step();  // log.profile_step: run_step, its flags read and its kernels done, recorded by Kineto
   StepResult attempt_step();
   // train.host_reads = deferred: the update skipped on the device when found-inf, and the step's flags recorded.
   void update_deciding_on_device(StepResult& r, const torch::Tensor& loss_sum);
@@ -284,7 +285,7 @@ class Trainer {
   void check_fits_before_building() const;
   ActivationProbe closed_form_probe(bool keep_grads, int64_t micro_batch) const;  // this run's policy and head
   ActivationProbe closed_form_probe(bool keep_grads, int64_t micro_batch, const RecomputePolicy& policy, int64_t head_rows,
-                                    double reduced_bytes_per_element) const;
+                                    double reduced_bytes_per_element, int64_t accum_steps) const;
   // Before the probe at micro_batch: says what it measures, and stops with an error naming the free memory
   // when the model's published formula puts its activations above it.
   void check_probe_fits(int64_t micro_batch) const;
@@ -329,6 +330,7 @@ class Trainer {
   std::unique_ptr<GradScaler> scaler_;
   RecomputePolicy policy_;
   int64_t head_rows_ = -1;  // memory.head: -1 plain, 0 fused (automatic chunks), > 0 rows per chunk
+  int64_t head_rows_of(const std::string& head) const;  // memory.head's head_rows_ (split T: automatic rows resolved)
   std::unique_ptr<MemoryTracker> tracker_;
   std::string run_dir_;
   std::string ckpt_dir_;
