@@ -11,9 +11,10 @@
 # CUDA tests (a shorter window: GPU_CHECK_SECONDS=330 GPU_CHECK_AFTER_CUDA=100).
 # GPU_CHECK_MODE=bench (a second window): after the build, scripts/bench_gpu.sh (the long technique
 # benchmark, the memory_viz snapshot and the offload size sweep) instead of the tests and the matrix.
-# GPU_CHECK_MODE=speed (issues 36 and 40): after the build, Llama-3.1-8B trained 4 steps on the one GPU
-# (examples/configs/llama3_8b_1xh100.ini: its setup and step peaks against the estimate), the CUDA tests of the speed levers' numerics (ATen's fused
-# rms_norm against transformers' formula, the profiler's kernel table), then scripts/bench/gpu_speed.py: GPT-2 124M
+# GPU_CHECK_MODE=speed (issues 36 and 40): the memtrain binary alone is built (the tests are not: a window is short;
+# the check mode's CUDA tests include the speed levers' own, Llama.CudaRmsNorm* and Profile.CudaStepListsItsKernels),
+# then Llama-3.1-8B trained 4 steps on the one GPU (examples/configs/llama3_8b_1xh100.ini: its setup and step peaks
+# against the estimate), then scripts/bench/gpu_speed.py: GPT-2 124M
 # and a Llama-3.2-1B shape against PyTorch eager and torch.compile, one step profiled kernel by kernel, and memtrain's
 # levers each alone ($OUT/gpu_speed.md, gpt_profile.md, llama_profile.md; rewritten after each row, so a window cut
 # short keeps what ran). About 5 minutes after the build; GPU_SPEED_SKIP (llama8b, gpt, compile, llama, levers,
@@ -100,7 +101,7 @@ sys.exit(0 if ok else 1)'; then
   # The reference fixtures: make_fixtures.py's from this machine's own PyTorch (the bf16 and vectorized results a
   # test compares bit for bit depend on the CPU's instructions), the carried ones (.gpu/fixtures, written by the CPU
   # machine's venv) for the rest and for whatever it fails to write here.
-  # The speed mode's two CUDA tests compare with no fixture: the carried ones stand (make_fixtures.py's minute saved).
+  # The speed mode builds no test: the carried fixtures stand (configure wants them; make_fixtures.py's minute saved).
   if [ "${GPU_CHECK_MODE:-check}" = speed ]; then
     [ -f "$F/.stamp" ] || stage fixtures 60 bash -c 'mkdir -p "$F" && cp -r "$P/fixtures/." "$F/" && touch "$F/.stamp"'
   else
@@ -117,12 +118,10 @@ sys.exit(0 if ok else 1)'; then
 
   # Keep going past a failed target: whatever else builds can still be tested.
   KEEP=(-k 0); [ "$GEN" = Ninja ] || KEEP=(-k)
-  TARGETS=(); [ "${GPU_CHECK_MODE:-check}" = speed ] && TARGETS=(--target memtrain_bin memtrain_tests)
+  TARGETS=(); [ "${GPU_CHECK_MODE:-check}" = speed ] && TARGETS=(--target memtrain_bin)
   stage build "$(left 90)" cmake --build "$B" -j16 "${TARGETS[@]}" -- "${KEEP[@]}"
 
   if [ "${GPU_CHECK_MODE:-check}" = speed ]; then
-    OMP_NUM_THREADS=4 stage ctest-speed 120 ctest --test-dir "$B" --output-on-failure -R 'CudaRmsNorm|CudaStepListsItsKernels' \
-      --output-log "$OUT/ctest_speed.log"
     # Issue 36's proof first (about a minute): Llama-3.1-8B built from its shapes on one GPU, 4 steps; the setup line
     # (time, host peak, device) and each step's peak against the run's own estimate.
     [[ ",${GPU_SPEED_SKIP:-}," == *,llama8b,* ]] || stage llama8b 240 bash -c "'$B/memtrain' --config examples/configs/llama3_8b_1xh100.ini --train.steps=4 \
