@@ -124,7 +124,7 @@ sys.exit(0 if ok else 1)'; then
   if [ "${GPU_CHECK_MODE:-check}" = speed ]; then
     # Issue 36's proof first (about a minute): Llama-3.1-8B built from its shapes on one GPU, 4 steps; the setup line
     # (time, host peak, device) and each step's peak against the run's own estimate.
-    [[ ",${GPU_SPEED_SKIP:-}," == *,llama8b,* ]] || stage llama8b 240 bash -c "'$B/memtrain' --config examples/configs/llama3_8b_1xh100.ini --train.steps=4 \
+    [[ ",${GPU_SPEED_SKIP:-}," == *,llama8b,* ]] || stage llama8b "$(L=$(left 60); echo $(( L < 240 ? L : 240 )))" bash -c "'$B/memtrain' --config examples/configs/llama3_8b_1xh100.ini --train.steps=4 \
       --train.warmup_steps=1 --train.eval_every=0 --train.eval_batches=1 --log.every=1 --log.progress=lines \
       --checkpoint.save_final=false --log.dir=/tmp/memtrain-runs --log.name=llama8b --log.overwrite=true 2>&1 \
       | tee '$OUT/llama8b_1gpu.log'; exit \${PIPESTATUS[0]}"

@@ -134,10 +134,10 @@ BlockModel block_model(const TransformerShape& m, const ActivationSettings& s) {
     b.grad_mlp = e * F + cast + (gelu_out == 0 ? e * F : 0);
     b.grad_attn = 3 * e * qh + cast;
   } else {
-    // RMSNorm in fp32: its fp32 input (the residual itself when it is fp32, else an upcast copy), rsqrt, the
-    // normalised value (saved by the weight's product, in the parameters' dtype); then the projections' input
-    // (autocast casts it once per projection).
-    const int64_t norm = (4 * h + 4 + (frozen ? 0 : r * h)) / sp;
+    // RMSNorm in fp32: its fp32 input (the residual itself when it is fp32, else an upcast copy; on CUDA ATen's fused
+    // rms_norm keeps the residual as it is), rsqrt, the normalised value (saved by the weight's product, in the
+    // parameters' dtype); then the projections' input (autocast casts it once per projection).
+    const int64_t norm = ((s.cuda ? r : 4) * h + 4 + (frozen ? 0 : r * h)) / sp;
     // The projections' input: autocast casts it once per projection that keeps it, else one tensor kept by any.
     auto projections_in = [&](std::initializer_list<const char*> names) {
       int64_t keeping = 0;
@@ -250,7 +250,7 @@ ActivationEstimate transformer_activations(const TransformerShape& m, const Acti
               all_tensors + 6);
   } else {
     const int64_t n = std::min(t, s.head_rows > 0 ? s.head_rows : fused_head_chunk_rows(V, s.cuda));
-    // logits in fp32 and logsumexp's temporary of the same size (a 16-bit matmul output is freed at the cast, before)
+    // logits in fp32 and the log-softmax's output of the same size (a 16-bit matmul output is freed at the cast, before)
     const int64_t chunk = 8 * n * V;
     const int64_t head_weight_grad = frozen ? 0 : 1;  // a frozen head's weight gets no gradient (no accumulator)
     candidate("the fused head's forward (one chunk of logits)",

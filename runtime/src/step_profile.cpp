@@ -45,7 +45,7 @@ std::string profile_kind(const std::string& name) {
   std::string n(name);
   std::transform(n.begin(), n.end(), n.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
   // The order matters: attention kernels may name their GEMMs, norm kernels their reductions.
-  if (has(n, {"nccl", "gloo", "all_reduce", "allreduce", "reduce_scatter", "all_gather", "allgather", "broadcast"}))
+  if (has(n, {"nccl", "gloo", "c10d::", "all_reduce", "allreduce", "reduce_scatter", "all_gather", "allgather"}))
     return "communication";
   if (has(n, {"flash", "fmha", "sdpa", "attention", "attn", "scaled_dot_product"})) return "attention";
   if (has(n, {"softmax", "nll", "cross_entropy", "logsumexp"})) return "loss (softmax, cross-entropy)";
@@ -157,7 +157,11 @@ StepProfiler::StepProfiler(bool cuda) : cuda_(cuda) {
 }
 
 StepProfiler::~StepProfiler() {
-  if (running_) torch::autograd::profiler::disableProfiler();
+  if (!running_) return;
+  try {  // left by an exception in the step: nothing to report, and a destructor must not throw
+    torch::autograd::profiler::disableProfiler();
+  } catch (...) {
+  }
 }
 
 StepProfileTable StepProfiler::stop(const std::string& trace_path, int64_t wall_ns) {

@@ -785,6 +785,7 @@ void Trainer::write_memory_snapshot() {
 }
 
 StepResult Trainer::profiled_step() {
+  if (device_.is_cuda()) torch::cuda::synchronize();  // the previous step's kernels are not this one's
   const auto begin = std::chrono::steady_clock::now();
   StepProfiler profiler(device_.is_cuda());
   const auto r = run_step(/*read_flags_now=*/true);

@@ -6,15 +6,16 @@
 
 Rows, in order of what a short window must not miss (the table is rewritten after each row):
   1. GPT-2 124M (vocabulary 50,304, bf16 autocast, 16 x 4 micro-batches of 1,024 tokens): memtrain with one step
-     profiled (log.profile_step: profile.md, the per-kernel table), PyTorch eager, PyTorch torch.compile;
-  2. Llama-3.2-1B-shaped, random weights (micro-batch 4 of 2,048 tokens): memtrain, eager, compiled;
-  3. memtrain's levers on GPT-2, each alone against row 1: micro-batch 64 x 1, vocabulary 50,257, the fused head,
+     after the timed ones profiled (log.profile_step: profile.md, the per-kernel table), PyTorch eager;
+  2. Llama-3.2-1B-shaped, random weights (micro-batch 4 of 2,048 tokens): memtrain (profiled the same way), eager;
+  3. PyTorch torch.compile on both (a minute or more of compiling each);
+  4. memtrain's levers on GPT-2, each alone against row 1: micro-batch 64 x 1, vocabulary 50,257, the fused head,
      bf16 parameters with fp32 masters, cuDNN attention deprioritised (TORCH_CUDNN_SDPA_DEPRIORITIZED=1).
 Same model (scripts/reference/gpt_ref.py is memtrain's GPT op for op), vocabulary, tokens per step, micro-batching,
 optimizer (fused AdamW, clip 1.0), synthetic tokens drawn on the host, and timed span: the wall time between log
 points (every 4 steps), per step, after the warm-up. MFU by memtrain's count (6 N + 12 L C T, N without the position
-table; PaLM's for Llama) and, for GPT, llm.c's (6 N + 6 L C T, every parameter). Peak: the allocator's peak after
-step 1 (memtrain: its tracker; PyTorch: max_memory_allocated); memtrain's own estimate beside it.
+table; PaLM's for Llama) and, for GPT, llm.c's (6 N + 6 L C T, every parameter). Peak: the allocator's peak over
+the run's steps (memtrain: its tracker; PyTorch: max_memory_allocated); memtrain's own estimate beside it.
 """
 import argparse, datetime, json, os, shutil, statistics, subprocess, sys, tempfile, time
 
@@ -39,12 +40,12 @@ SHAPES = {
 }
 
 
-def memtrain_args(model, s, device, precision):
+def memtrain_args(model, s, device, precision, steps):
     a = ["--data.dataset=synthetic", f"--train.device={device}", f"--train.precision={precision}",
-         f"--train.micro_batch={s['micro_batch']}", f"--train.accum_steps={s['accum_steps']}", f"--train.steps={s['steps']}",
+         f"--train.micro_batch={s['micro_batch']}", f"--train.accum_steps={s['accum_steps']}", f"--train.steps={steps}",
          "--train.warmup_steps=2", "--train.eval_every=0", "--train.eval_batches=1", f"--log.every={s['log_every']}",
          "--log.progress=lines", "--checkpoint.save_final=false", "--log.overwrite=true", f"--model.name={model}",
-         f"--model.block_size={s['block_size']}", "--model.dropout=0" if model == "gpt" else "--model.norm_eps=1e-5"]
+         f"--model.block_size={s['block_size']}"] + (["--model.dropout=0"] if model == "gpt" else [])
     if s.get("preset"):
         a.append(f"--model.preset={s['preset']}")
     else:
@@ -56,16 +57,20 @@ def memtrain_args(model, s, device, precision):
     return a
 
 
-def run_memtrain(build, model, s, device, precision, name, work, extra=(), env=None, profile_step=0):
-    args = [os.path.join(build, "memtrain")] + memtrain_args(model, s, device, precision) + \
-           [f"--log.dir={work}", f"--log.name={name}", f"--log.profile_step={profile_step}"] + list(extra)
+def run_memtrain(build, model, s, device, precision, name, work, extra=(), env=None, profile=False):
+    # profile: one more step after the timed ones, recorded by the profiler (its recording and synchronisation slow it,
+    # and the timed steps run before anything of it is switched on).
+    steps = s["steps"] + (1 if profile else 0)
+    args = [os.path.join(build, "memtrain")] + memtrain_args(model, s, device, precision, steps) + \
+           [f"--log.dir={work}", f"--log.name={name}", f"--log.profile_step={steps if profile else 0}"] + list(extra)
     p = subprocess.run(args, capture_output=True, text=True, env=dict(os.environ, **(env or {})), timeout=900)
     if p.returncode != 0:
         raise RuntimeError((p.stdout + p.stderr).strip().splitlines()[-1][:300] if (p.stdout + p.stderr).strip() else f"exit {p.returncode}")
     run = os.path.join(work, name)
     logs = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl")) if '"ms_per_step"' in l]
     # Each log line's ms_per_step is the span since the previous log point, per step; the first after the warm-up on.
-    timed = [m for m in logs if m["step"] - s["log_every"] >= s["warmup"]]
+    timed = [m for m in logs if m["step"] - s["log_every"] >= s["warmup"] and m["step"] <= s["steps"] and
+             m["step"] % s["log_every"] == 0]
     summary = json.load(open(os.path.join(run, "summary.json")))
     est = summary.get("memory_estimate", {})
     ms = statistics.median(m["ms_per_step"] for m in timed)
@@ -79,7 +84,7 @@ def run_memtrain(build, model, s, device, precision, name, work, extra=(), env=N
         L, C, T = s["n_layer"], s["n_embd"], s["block_size"]
         n_all = (r["flops_per_token"] - 12 * L * C * T) / 6 + T * C
         r["flops_per_token_llmc"] = 6 * n_all + 6 * L * C * T
-    if profile_step:
+    if profile:
         r["profile"] = os.path.join(run, "profile.md")
     return r
 
@@ -178,32 +183,32 @@ def main():
         return r
 
     g = shapes["gpt"]
-    # The profiled step is before the timed span (its recording and synchronisation slow it).
     m = None
     if "gpt" not in skip:
-        m = add("gpt", "memtrain", run_memtrain, a.build, "gpt", g, a.device, precision, "gpt", work, profile_step=g["warmup"] - 1)
+        m = add("gpt", "memtrain", run_memtrain, a.build, "gpt", g, a.device, precision, "gpt", work, profile=True)
     if m and os.path.exists(m.get("profile", "")):
         shutil.copy(m["profile"], os.path.join(out_dir, "gpt_profile.md"))
         shutil.copy(os.path.join(m["run"], "profile.json"), os.path.join(out_dir, "gpt_profile_trace.json"))
-        notes.append(f"memtrain's step {g['warmup'] - 1} on GPT, kernel by kernel: `gpt_profile.md` (its Chrome trace "
+        notes.append(f"memtrain's step {g['steps'] + 1} on GPT (after the timed ones), kernel by kernel: `gpt_profile.md` (its Chrome trace "
                      "`gpt_profile_trace.json`).")
     e = None if "gpt" in skip else add("gpt", "PyTorch eager", run_torch, a.python, "gpt", g, a.device, precision)
     if e and e.get("sdp_choice") is not None:
         notes.append(f"SDPA's choice for GPT-2's q, k, v (torch._fused_sdp_choice, 0 math, 1 flash, 2 efficient, 3 cuDNN): "
                      f"{e['sdp_choice']}.")
+    l = shapes["llama"]
+    if "llama" not in skip:
+        add("llama", "memtrain", run_memtrain, a.build, "llama", l, a.device, precision, "llama", work, profile=True)
+        if "llama" in base and os.path.exists(base["llama"].get("profile", "")):
+            shutil.copy(base["llama"]["profile"], os.path.join(out_dir, "llama_profile.md"))
+        add("llama", "PyTorch eager", run_torch, a.python, "llama", l, a.device, precision)
+    # torch.compile after both models' eager rows: a minute or more of compiling each, the first thing a short window
+    # may lose.
     if "compile" not in skip and "gpt" not in skip:
         c = add("gpt", "PyTorch torch.compile", run_torch, a.python, "gpt", g, a.device, precision, compile_=True)
         if c and c.get("compile_s"):
             notes.append(f"GPT torch.compile: the first step (compilation) took {c['compile_s']:.0f} s.")
-    if "llama" not in skip:
-        l = shapes["llama"]
-        add("llama", "memtrain", run_memtrain, a.build, "llama", l, a.device, precision, "llama", work,
-            profile_step=l["warmup"] - 1)
-        if "llama" in base and os.path.exists(base["llama"].get("profile", "")):
-            shutil.copy(base["llama"]["profile"], os.path.join(out_dir, "llama_profile.md"))
-        add("llama", "PyTorch eager", run_torch, a.python, "llama", l, a.device, precision)
-        if "compile" not in skip:
-            add("llama", "PyTorch torch.compile", run_torch, a.python, "llama", l, a.device, precision, compile_=True)
+    if "compile" not in skip and "llama" not in skip:
+        add("llama", "PyTorch torch.compile", run_torch, a.python, "llama", l, a.device, precision, compile_=True)
     if "levers" not in skip:
         mb = dict(g, micro_batch=g["micro_batch"] * g["accum_steps"], accum_steps=1)
         add("gpt", "lever: micro-batch 64 x 1", run_memtrain, a.build, "gpt", mb, a.device, precision, "mb64", work)

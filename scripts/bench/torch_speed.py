@@ -127,6 +127,7 @@ def main():
         q, k, v = (t.view(a.micro_batch, a.block_size, h, a.n_embd // h).transpose(1, 2) for t in qkv.split(a.n_embd, 2))
         sdp = int(torch._fused_sdp_choice(q, k, v, is_causal=True))  # 0 math, 1 flash, 2 efficient, 3 cudnn
         del qkv, q, k, v
+        torch.cuda.reset_peak_memory_stats()  # the peak of the training steps alone
     g = torch.Generator().manual_seed(1)
     marks, losses = [], []
     compile_s = None
@@ -150,8 +151,6 @@ def main():
         if step % a.log_every == 0 or step == a.steps:
             losses.append(total.item())  # waits for the device, as memtrain's log point does
             marks.append((step, time.perf_counter()))
-        if step == 1 and cuda:
-            torch.cuda.reset_peak_memory_stats()
     timed = [(s1 - s0, t1 - t0) for (s0, t0), (s1, t1) in zip(marks, marks[1:]) if s0 >= a.warmup]
     ms = statistics.median(1000 * dt / ds for ds, dt in timed)
     tokens = a.micro_batch * a.accum_steps * a.block_size

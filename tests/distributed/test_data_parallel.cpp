@@ -358,6 +358,9 @@ TEST(DataParallel, EveryRankTrainsRankZerosPlanWhateverItsOwnBudget) {
   // machine may pick another) finds fastest.
   EXPECT_FALSE(m[1].str() == "8" && m[3].str() == "none" && m[4].str() == "plain")
       << "rank 0's 10 MiB cannot keep the unplanned setting:\n" << mixed.output;
+  std::smatch est;
+  ASSERT_TRUE(std::regex_search(mixed.output, est, std::regex(R"(chosen:[^\n]*estimated peak ([0-9.]+) MiB)"))) << mixed.output;
+  EXPECT_LE(std::stod(est[1].str()), 10.0) << mixed.output;
   EXPECT_EQ(std::stoi(m[1].str()) * std::stoi(m[2].str()), 8) << mixed.output;
   // Two ranks rank by the time model (step_time.h, this machine's matmuls timed on rank 0): the chosen line's tokens/s
   // is its step's tokens (micro-batch x accumulation x 32 tokens x 2 ranks) over its predicted step (printed to 0.1 ms).
