@@ -298,6 +298,30 @@ TEST(MemoryEstimate, WithinTenPercentOnTwoAndFourRanksForEveryStage) {
   }
 }
 
+TEST(MemoryEstimate, OnTwoRanksATiedHeadsGradientWaitsForTheEmbeddingsAtTheBackwardsEnd) {
+  // The same tied 20,000 x 64 GPT on 2 ranks: the gradients leave for their buckets as each completes, but the tied
+  // head's waits for the embedding's to be summed out of place, three V x h tensors at the backward's end. Before
+  // this moment was counted the estimate was 23.4 and 25.7 MiB against 30.5 and 32.9 measured (-23%, -22%).
+  for (const char* stage : {"2", "3"}) {
+    SCOPED_TRACE(std::string("stage ") + stage);
+    test::TempDir dir;
+    int code = -1;
+    const auto out = test::shell(test::binary("memtrain-run") + " --standalone --nproc-per-node 2 -- " + test::binary("memtrain") +
+                                     " --model.name=gpt --model.n_layer=2 --model.n_head=2 --model.n_embd=64 --model.block_size=32"
+                                     " --model.vocab_size=20000 --data.dataset=synthetic --train.steps=3 --train.micro_batch=1"
+                                     " --train.warmup_steps=1 --train.eval_every=0 --train.eval_batches=1 --train.threads=1"
+                                     " --log.progress=lines --checkpoint.save_final=false --dist.zero_stage=" + stage +
+                                     " --log.dir=" + dir.path() + " --log.name=e 2>&1",
+                                 &code);
+    ASSERT_EQ(code, 0) << out;
+    std::ifstream in(fs::path(dir.path()) / "e" / "summary.json");
+    ASSERT_TRUE(in.good()) << out;
+    const auto e = nlohmann::json::parse(in)["memory_estimate"];
+    const double measured = e["measured_peak"].get<double>(), estimate = e["device"]["peak"].get<double>();
+    EXPECT_NEAR(estimate, measured, 0.03 * measured) << e.dump(2);
+  }
+}
+
 TEST(MemoryEstimate, EstimateCommandPrintsEveryStage) {
   int code = -1;
   const auto out = test::shell(test::binary("memtrain") + " estimate --ranks 4 --config " +
