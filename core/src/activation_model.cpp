@@ -303,7 +303,7 @@ ActivationEstimate transformer_activations(const TransformerShape& m, const Acti
     // gradient waits for it to be summed out of place (a third V x h tensor): measured on qwen2.5-0.5b (151,936 x 896,
     // fp32) at ZeRO-3 on 2 ranks, 1,029 MiB over the estimate that left this moment out, two such tensors. An untied
     // head's gradient went to its bucket when it completed.
-    const auto reduced = static_cast<int64_t>(std::llround(s.reduced_bytes_per_element * static_cast<double>(L * m.block_parameters)));
+    const auto reduced = static_cast<int64_t>(std::llround(s.reduced_bytes_per_element * static_cast<double>(L * block_trained)));
     candidate("the backward's end (the embedding's gradient)",
               {batch, {"reduced gradient parts (ZeRO 2-3)", reduced}, {"embedding's dense gradient", pb * V * h},
                {"a tied head's gradient and the two's sum", m.tied ? 2 * pb * V * h : 0},

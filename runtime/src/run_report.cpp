@@ -110,8 +110,18 @@ std::string RunReport::config_file(const std::string& run_dir) { return (fs::pat
 std::string RunReport::memory_file(const std::string& run_dir, int rank) {
   return (fs::path(run_dir) / ("memory.rank" + std::to_string(rank) + ".jsonl")).string();
 }
+namespace {
+// A file every rank writes: `name` alone in one process, name.rank<N> with several.
+std::string per_rank(const std::string& run_dir, const std::string& name, int rank, int world) {
+  return (fs::path(run_dir) / (world == 1 ? name : name + ".rank" + std::to_string(rank))).string();
+}
+}  // namespace
+
 std::string RunReport::trace_file(const std::string& run_dir, int rank, int world) {
-  return (fs::path(run_dir) / (world == 1 ? std::string("trace.json") : "trace.rank" + std::to_string(rank) + ".json")).string();
+  return per_rank(run_dir, "trace", rank, world) + ".json";
+}
+std::string RunReport::profile_stem(const std::string& run_dir, int rank, int world) {
+  return per_rank(run_dir, "profile", rank, world);
 }
 std::string RunReport::snapshot_file(const std::string& run_dir, int rank) {
   return (fs::path(run_dir) / ("memory_snapshot.rank" + std::to_string(rank) + ".pickle")).string();

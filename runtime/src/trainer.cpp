@@ -791,7 +791,7 @@ StepResult Trainer::profiled_step() {
   const auto r = run_step(/*read_flags_now=*/true);
   if (device_.is_cuda()) torch::cuda::synchronize();
   const auto wall = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - begin).count();
-  const auto stem = (fs::path(run_dir_) / (world_.world_size > 1 ? "profile.rank" + std::to_string(world_.rank) : "profile")).string();
+  const auto stem = RunReport::profile_stem(run_dir_, world_.rank, world_.world_size);
   auto table = profiler.stop(stem + ".json", wall);
   table.step = step_;
   write_file_atomically(stem + ".md", table.markdown());

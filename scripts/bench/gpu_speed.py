@@ -57,15 +57,22 @@ def memtrain_args(model, s, device, precision, steps):
     return a
 
 
+def run_checked(args, env=None):
+    """Runs a row's process; a failure raises with its last line (the table names it)."""
+    p = subprocess.run(args, capture_output=True, text=True, env=dict(os.environ, **(env or {})), timeout=900)
+    if p.returncode != 0:
+        text = (p.stdout + p.stderr).strip()
+        raise RuntimeError(text.splitlines()[-1][:300] if text else f"exit {p.returncode}")
+    return p.stdout
+
+
 def run_memtrain(build, model, s, device, precision, name, work, extra=(), env=None, profile=False):
     # profile: one more step after the timed ones, recorded by the profiler (its recording and synchronisation slow it,
     # and the timed steps run before anything of it is switched on).
     steps = s["steps"] + (1 if profile else 0)
     args = [os.path.join(build, "memtrain")] + memtrain_args(model, s, device, precision, steps) + \
            [f"--log.dir={work}", f"--log.name={name}", f"--log.profile_step={steps if profile else 0}"] + list(extra)
-    p = subprocess.run(args, capture_output=True, text=True, env=dict(os.environ, **(env or {})), timeout=900)
-    if p.returncode != 0:
-        raise RuntimeError((p.stdout + p.stderr).strip().splitlines()[-1][:300] if (p.stdout + p.stderr).strip() else f"exit {p.returncode}")
+    run_checked(args, env)
     run = os.path.join(work, name)
     logs = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl")) if '"ms_per_step"' in l]
     # Each log line's ms_per_step is the span since the previous log point, per step; the first after the warm-up on.
@@ -99,10 +106,7 @@ def run_torch(python, model, s, device, precision, compile_=False):
         args.append("--tie")
     if compile_:
         args.append("--compile")
-    p = subprocess.run(args, capture_output=True, text=True, timeout=900)
-    if p.returncode != 0:
-        raise RuntimeError((p.stdout + p.stderr).strip().splitlines()[-1][:300] if (p.stdout + p.stderr).strip() else f"exit {p.returncode}")
-    o = json.loads(p.stdout.strip().splitlines()[-1])
+    o = json.loads(run_checked(args).strip().splitlines()[-1])
     return {"ms": o["ms_per_step"], "tokens_per_s": o["tokens_per_s"], "flops_per_token": o["flops_per_token"],
             "flops_per_token_llmc": o.get("flops_per_token_llmc"), "peak": o.get("peak_allocated"), "loss": o["final_loss"],
             "sdp_choice": o.get("sdp_choice"), "compile_s": o.get("compile_s")}
@@ -110,6 +114,52 @@ def run_torch(python, model, s, device, precision, compile_=False):
 
 def gib(b):
     return "—" if b is None else f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+
+
+def write_table(path, device, device_name, peak_tflops, rows, base, notes, failures):
+    peak = peak_tflops * 1e12
+    with open(path, "w") as f:
+        f.write(f"# GPU speed: memtrain against PyTorch eager and torch.compile ({datetime.date.today()}, {device_name})\n\n")
+        f.write("Written by `scripts/bench/gpu_speed.py` (`scripts/gpu_check.sh` with GPU_CHECK_MODE=speed). Same model, "
+                "vocabulary, tokens per step, micro-batching, optimizer and timed span on both sides (the script's "
+                "docstring). MFU against " + f"{peak_tflops:g} TFLOP/s" + (" (nominal on a CPU)" if device == "cpu" else "") +
+                "; 'llm.c' is llm.c's count (6 N + 6 L C T, every parameter).\n\n")
+        f.write("| model | row | ms/step | tokens/s | MFU | MFU (llm.c) | time / memtrain's | peak | memtrain's estimate | loss |\n"
+                "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+        for r in rows:
+            mfu = r["tokens_per_s"] * r["flops_per_token"] / peak
+            llmc = r.get("flops_per_token_llmc")
+            llmc = f"{100 * r['tokens_per_s'] * llmc / peak:.1f}%" if llmc else "—"
+            ref = base.get(r["model"])
+            ratio = f"{r['ms'] / ref['ms']:.2f}x" if ref and r is not ref else "—"
+            f.write(f"| {r['model']} | {r['label']} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} | {100 * mfu:.1f}% | "
+                    f"{llmc} | {ratio} | {gib(r.get('peak'))} | {gib(r.get('estimate'))} | {r['loss']:.4f} |\n")
+        f.write("\n'time / memtrain's': the row's ms/step over memtrain's first row of that model (above 1: the row "
+                "takes longer than memtrain; a lever above 1 is slower than memtrain without it).\n")
+        for n in notes:
+            f.write(f"\n{n}\n")
+        for label, why in failures:
+            f.write(f"\n- **{label} failed**: `{why}`\n")
+
+
+def keep_profile(r, model, steps, out_dir, notes):
+    """A profiled memtrain row's table and trace, copied beside the benchmark's table as <model>_profile.*."""
+    if not r or not os.path.exists(r.get("profile", "")):
+        return
+    shutil.copy(r["profile"], os.path.join(out_dir, f"{model}_profile.md"))
+    shutil.copy(os.path.join(r["run"], "profile.json"), os.path.join(out_dir, f"{model}_profile_trace.json"))
+    notes.append(f"memtrain's step {steps + 1} on {model} (after the timed ones), kernel by kernel: `{model}_profile.md` "
+                 f"(its Chrome trace `{model}_profile_trace.json`).")
+
+
+def levers(g):
+    """memtrain's levers on GPT, each alone: (label, run name, shape, run_memtrain's keywords)."""
+    whole = g["micro_batch"] * g["accum_steps"]
+    return [(f"micro-batch {whole} x 1", "mb1x", dict(g, micro_batch=whole, accum_steps=1), {}),
+            ("vocabulary 50,257 (unpadded)", "v50257", dict(g, vocab=50257), {}),
+            ("memory.head = fused", "fused", g, {"extra": ["--memory.head=fused"]}),
+            ("bf16 parameters, fp32 masters", "bf16p", g, {"extra": ["--train.param_dtype=bf16"]}),
+            ("cuDNN attention deprioritised", "nocudnn", g, {"env": {"TORCH_CUDNN_SDPA_DEPRIORITIZED": "1"}})]
 
 
 def main():
@@ -127,7 +177,6 @@ def main():
         skip |= {"compile"}
     shapes = SHAPES[a.device]
     precision = "bf16" if a.device == "cuda" else "fp32"
-    peak = shapes["peak_tflops"] * 1e12
     work = tempfile.mkdtemp(prefix="memtrain-speed-")
     out_dir = os.path.dirname(os.path.abspath(a.out))
     os.makedirs(out_dir, exist_ok=True)
@@ -140,29 +189,7 @@ def main():
     base = {}
 
     def write():
-        with open(a.out, "w") as f:
-            f.write(f"# GPU speed: memtrain against PyTorch eager and torch.compile ({datetime.date.today()}, {device_name})\n\n")
-            f.write("Written by `scripts/bench/gpu_speed.py` (`scripts/gpu_check.sh` with GPU_CHECK_MODE=speed). Same model, "
-                    "vocabulary, tokens per step, micro-batching, optimizer and timed span on both sides (the script's "
-                    "docstring). MFU against " + f"{shapes['peak_tflops']:g} TFLOP/s" + (" (nominal on a CPU)" if a.device == "cpu" else "") +
-                    "; 'llm.c' is llm.c's count (6 N + 6 L C T, every parameter).\n\n")
-            f.write("| model | row | ms/step | tokens/s | MFU | MFU (llm.c) | time / memtrain's | peak | memtrain's estimate | loss |\n"
-                    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
-            for r in rows:
-                mfu = r["tokens_per_s"] * r["flops_per_token"] / peak
-                llmc = r.get("flops_per_token_llmc")
-                llmc = f"{100 * r['tokens_per_s'] * llmc / peak:.1f}%" if llmc else "—"
-                ref = base.get(r["model"])
-                ratio = f"{r['ms'] / ref['ms']:.2f}x" if ref and r is not ref else "—"
-                f.write(f"| {r['model']} | {r['label']} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} | {100 * mfu:.1f}% | "
-                        f"{llmc} | {ratio} | {gib(r.get('peak'))} | "
-                        f"{gib(r.get('estimate'))} | {r['loss']:.4f} |\n")
-            f.write("\n'time / memtrain's': the row's ms/step over memtrain's first row of that model (above 1: the row "
-                    "takes longer than memtrain; a lever above 1 is slower than memtrain without it).\n")
-            for n in notes:
-                f.write(f"\n{n}\n")
-            for label, why in failures:
-                f.write(f"\n- **{label} failed**: `{why}`\n")
+        write_table(a.out, a.device, device_name, shapes["peak_tflops"], rows, base, notes, failures)
 
     def add(model, label, fn, *args, **kw):
         t0 = time.time()
@@ -182,24 +209,17 @@ def main():
         write()
         return r
 
-    g = shapes["gpt"]
-    m = None
+    g, l = shapes["gpt"], shapes["llama"]
     if "gpt" not in skip:
-        m = add("gpt", "memtrain", run_memtrain, a.build, "gpt", g, a.device, precision, "gpt", work, profile=True)
-    if m and os.path.exists(m.get("profile", "")):
-        shutil.copy(m["profile"], os.path.join(out_dir, "gpt_profile.md"))
-        shutil.copy(os.path.join(m["run"], "profile.json"), os.path.join(out_dir, "gpt_profile_trace.json"))
-        notes.append(f"memtrain's step {g['steps'] + 1} on GPT (after the timed ones), kernel by kernel: `gpt_profile.md` (its Chrome trace "
-                     "`gpt_profile_trace.json`).")
-    e = None if "gpt" in skip else add("gpt", "PyTorch eager", run_torch, a.python, "gpt", g, a.device, precision)
-    if e and e.get("sdp_choice") is not None:
-        notes.append(f"SDPA's choice for GPT-2's q, k, v (torch._fused_sdp_choice, 0 math, 1 flash, 2 efficient, 3 cuDNN): "
-                     f"{e['sdp_choice']}.")
-    l = shapes["llama"]
+        keep_profile(add("gpt", "memtrain", run_memtrain, a.build, "gpt", g, a.device, precision, "gpt", work, profile=True),
+                     "gpt", g["steps"], out_dir, notes)
+        e = add("gpt", "PyTorch eager", run_torch, a.python, "gpt", g, a.device, precision)
+        if e and e.get("sdp_choice") is not None:
+            notes.append(f"SDPA's choice for GPT-2's q, k, v (torch._fused_sdp_choice, 0 math, 1 flash, 2 efficient, "
+                         f"3 cuDNN): {e['sdp_choice']}.")
     if "llama" not in skip:
-        add("llama", "memtrain", run_memtrain, a.build, "llama", l, a.device, precision, "llama", work, profile=True)
-        if "llama" in base and os.path.exists(base["llama"].get("profile", "")):
-            shutil.copy(base["llama"]["profile"], os.path.join(out_dir, "llama_profile.md"))
+        keep_profile(add("llama", "memtrain", run_memtrain, a.build, "llama", l, a.device, precision, "llama", work,
+                         profile=True), "llama", l["steps"], out_dir, notes)
         add("llama", "PyTorch eager", run_torch, a.python, "llama", l, a.device, precision)
     # torch.compile after both models' eager rows: a minute or more of compiling each, the first thing a short window
     # may lose.
@@ -210,16 +230,8 @@ def main():
     if "compile" not in skip and "llama" not in skip:
         add("llama", "PyTorch torch.compile", run_torch, a.python, "llama", l, a.device, precision, compile_=True)
     if "levers" not in skip:
-        mb = dict(g, micro_batch=g["micro_batch"] * g["accum_steps"], accum_steps=1)
-        add("gpt", "lever: micro-batch 64 x 1", run_memtrain, a.build, "gpt", mb, a.device, precision, "mb64", work)
-        add("gpt", "lever: vocabulary 50,257 (unpadded)", run_memtrain, a.build, "gpt", dict(g, vocab=50257), a.device,
-            precision, "v50257", work)
-        add("gpt", "lever: memory.head = fused", run_memtrain, a.build, "gpt", g, a.device, precision, "fused", work,
-            extra=["--memory.head=fused"])
-        add("gpt", "lever: bf16 parameters, fp32 masters", run_memtrain, a.build, "gpt", g, a.device, precision, "bf16p",
-            work, extra=["--train.param_dtype=bf16"])
-        add("gpt", "lever: cuDNN attention deprioritised", run_memtrain, a.build, "gpt", g, a.device, precision, "nocudnn",
-            work, env={"TORCH_CUDNN_SDPA_DEPRIORITIZED": "1"})
+        for label, name, shape, kw in levers(g):
+            add("gpt", f"lever: {label}", run_memtrain, a.build, "gpt", shape, a.device, precision, name, work, **kw)
     write()
     print(open(a.out).read())
     sys.exit(1 if failures else 0)

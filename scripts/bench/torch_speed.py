@@ -88,6 +88,28 @@ class Llama(nn.Module):
         return logits, F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
+def build_model(a):
+    """The benchmark's model on the CPU, with memtrain's initial values: N(0, 0.02) matrices, zero biases, unit norms."""
+    torch.manual_seed(0)
+    if a.model == "gpt":
+        model = GPT(dict(vocab_size=a.vocab, block_size=a.block_size, n_layer=a.n_layer, n_head=a.n_head, n_embd=a.n_embd))
+    else:
+        model = Llama(a)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.02) if p.dim() >= 2 else (p.zero_() if name.endswith("bias") else p.fill_(1.0))
+    return model
+
+
+def flops_per_token(a, n_all):
+    """memtrain's count, 6 N + 12 L C T (GPT: N without the position table; Llama, PaLM's: the lookup table is no
+    matmul unless it is the tied head), and for GPT llm.c's, 6 N + 6 L C T over every parameter (else None)."""
+    C, L, T = a.n_embd, a.n_layer, a.block_size
+    if a.model == "gpt":
+        return 6 * (n_all - T * C) + 12 * L * C * T, 6 * n_all + 6 * L * C * T
+    return 6 * (n_all - (0 if a.tie else a.vocab * C)) + 12 * L * C * T, None
+
+
 def main():
     ap = argparse.ArgumentParser()
     for k, v in dict(n_layer=12, n_head=12, n_kv_head=0, n_embd=768, ffn=0, block_size=1024, vocab=50304, micro_batch=16,
@@ -103,15 +125,7 @@ def main():
     if a.threads:
         torch.set_num_threads(a.threads)
     dev = torch.device(a.device)
-    torch.manual_seed(0)
-    if a.model == "gpt":
-        model = GPT(dict(vocab_size=a.vocab, block_size=a.block_size, n_layer=a.n_layer, n_head=a.n_head, n_embd=a.n_embd))
-    else:
-        model = Llama(a)
-    for name, p in model.named_parameters():  # memtrain's initial values: N(0, 0.02) matrices, zero biases, unit norms
-        with torch.no_grad():
-            p.normal_(0, 0.02) if p.dim() >= 2 else (p.zero_() if name.endswith("bias") else p.fill_(1.0))
-    model = model.to(dev)
+    model = build_model(a).to(dev)
     params = list(model.parameters())
     n_all = sum(p.numel() for p in params)
     decay = [p for p in params if p.dim() >= 2]
@@ -154,15 +168,7 @@ def main():
     timed = [(s1 - s0, t1 - t0) for (s0, t0), (s1, t1) in zip(marks, marks[1:]) if s0 >= a.warmup]
     ms = statistics.median(1000 * dt / ds for ds, dt in timed)
     tokens = a.micro_batch * a.accum_steps * a.block_size
-    C, L, T = a.n_embd, a.n_layer, a.block_size
-    if a.model == "gpt":
-        n = n_all - a.block_size * C  # memtrain's count: 6 N + 12 L C T, N without the position embedding
-        flops = 6 * n + 12 * L * C * T
-        flops_llmc = 6 * n_all + 6 * L * C * T  # llm.c's: every parameter, 6 L C T for attention
-    else:
-        n = n_all - (0 if a.tie else a.vocab * C)  # PaLM's: the lookup table is no matmul (tied: it is the head)
-        flops = 6 * n + 12 * L * C * T
-        flops_llmc = None
+    flops, flops_llmc = flops_per_token(a, n_all)
     out = {"ms_per_step": ms, "tokens_per_s": tokens / ms * 1000, "flops_per_token": flops, "flops_per_token_llmc": flops_llmc,
            "parameters": n_all, "final_loss": losses[-1], "sdp_choice": sdp, "compile_s": compile_s,
            "loss_finite": all(math.isfinite(v) for v in losses)}

@@ -8,10 +8,10 @@
 #include <torch/cuda.h>
 #include <fstream>
 #include <set>
-#include <sstream>
 #include <numeric>
 
 #include "helpers.h"
+#include "memtrain/core/files.h"
 #include "memtrain/data/datasets.h"
 #include "memtrain/runtime/device.h"
 #include "memtrain/runtime/factories.h"
@@ -488,12 +488,10 @@ TEST(Profile, AStepOfTheDefaultJobIsTracedAndTabledWithItsMatmuls) {
   EXPECT_GT(ops["aten::addmm"] + ops["aten::mm"], 0) << out;
   EXPECT_GT(ops["aten::scaled_dot_product_attention"], 0);
   EXPECT_GT(ops["aten::log_softmax"] + ops["aten::_log_softmax"], 0);
-  std::ifstream table_file(run / "profile.md");
-  std::stringstream table;
-  table << table_file.rdbuf();
-  EXPECT_NE(table.str().find("# Step 2: where the time went"), std::string::npos) << table.str();
-  EXPECT_NE(table.str().find("| GEMM |"), std::string::npos) << table.str();
-  EXPECT_NE(table.str().find("`aten::addmm`"), std::string::npos) << table.str();
+  const auto table = read_file_bytes((run / "profile.md").string());
+  EXPECT_NE(table.find("# Step 2: where the time went"), std::string::npos) << table;
+  EXPECT_NE(table.find("| GEMM |"), std::string::npos) << table;
+  EXPECT_NE(table.find("`aten::addmm`"), std::string::npos) << table;
 }
 
 TEST(Profile, CudaStepListsItsKernels) {
@@ -504,12 +502,10 @@ TEST(Profile, CudaStepListsItsKernels) {
   c.log.dir = dir.path(), c.log.name = "k", c.checkpoint.save_final = false;
   Trainer t(c);
   t.fit();
-  std::ifstream table_file(fs::path(dir.path()) / "k" / "profile.md");
-  std::stringstream table;
-  table << table_file.rdbuf();
-  EXPECT_NE(table.str().find("The GPU was busy"), std::string::npos) << table.str();
-  EXPECT_NE(table.str().find("| GEMM |"), std::string::npos) << table.str();
-  EXPECT_NE(table.str().find("| attention |"), std::string::npos) << table.str();
+  const auto table = read_file_bytes((fs::path(dir.path()) / "k" / "profile.md").string());
+  EXPECT_NE(table.find("The GPU was busy"), std::string::npos) << table;
+  EXPECT_NE(table.find("| GEMM |"), std::string::npos) << table;
+  EXPECT_NE(table.find("| attention |"), std::string::npos) << table;
 }
 
 // The default job's reports, from the binary: trace.json, the memory summary in summary.json against the

@@ -33,6 +33,7 @@ class RunReport {
   static std::string memory_file(const std::string& run_dir, int rank);           // memory.rank<N>.jsonl
   static std::string trace_file(const std::string& run_dir, int rank, int world); // trace.json / trace.rank<N>.json
   static std::string snapshot_file(const std::string& run_dir, int rank);         // memory_snapshot.rank<N>.pickle
+  static std::string profile_stem(const std::string& run_dir, int rank, int world); // profile / profile.rank<N> (.json, .md)
   // The run folder: log.dir / (log.name, else the config file's stem, else "run").
   static std::string run_dir(const std::string& log_dir, const std::string& log_name, const std::string& config_source);
   // `memtrain eval`'s result beside the run folder (<run folder>-eval/summary.json; rank 0): its path.
